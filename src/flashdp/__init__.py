@@ -1,0 +1,12 @@
+"""flashdp: differentially private training at the cost of ordinary training.
+
+Exact per-sample gradient clipping for any nn.Module (ghost and book-keeping engines), noise and accounting.
+"""
+
+from flashdp.engine import DPEngine, make_private
+from flashdp.errors import FlashDPError
+from flashdp.rules import register_rule
+
+__version__ = "0.1.0"
+
+__all__ = ["DPEngine", "FlashDPError", "__version__", "make_private", "register_rule"]

@@ -1,0 +1,225 @@
+"""DPEngine: per-sample clipping for any nn.Module, without wrapping it.
+
+One `backward(loss)`:
+1. the norm pass: one autograd pass to the recorded outputs of the trainable layers (`autograd.grad` on their
+   gradient edges), which computes no parameter gradient;
+2. per parameter, the exact squared norm of the sum of its per-sample contributions (`ParamGradient`);
+3. clipping coefficients per sample (and per group for per-layer clipping);
+4. ghost: a second backward of `sum_i c_i loss_i`; bk: each parameter's `sum_i c_i g_i` from what step 2 kept.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from flashdp.clipping import CLIPPING_STYLES, Clipping, clip_coefficients
+from flashdp.errors import FlashDPError
+from flashdp.param_grad import ParamGradient, StrategyChoice
+from flashdp.recorder import Call, Recorder
+from flashdp.scan import ModelScan, TrainableParam, scan_model
+
+Mode = Literal["ghost", "flash", "bk"]
+MODES: tuple[str, ...] = ("ghost", "flash", "bk")
+NORM_STRATEGIES: tuple[str, ...] = ("auto", "ghost", "direct")
+
+
+class DPEngine:
+    """Exact per-sample gradient clipping (and, with `step()`, DP-SGD) for a model it does not wrap.
+
+    Build it with `flashdp.make_private`. All state lives here: nothing is stored on the model's modules or
+    parameters beyond PyTorch forward hooks, which `detach()` removes.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        mode: Mode,
+        max_grad_norm: float,
+        clipping: Clipping = "flat",
+        norm_strategy: StrategyChoice = "auto",
+    ) -> None:
+        _check_choice("mode", mode, MODES)
+        if mode == "flash":
+            raise FlashDPError(
+                "mode='flash' needs flashdp's Triton kernels, which this version does not ship yet. "
+                "Use mode='bk' (one backward pass) or mode='ghost' (two passes)."
+            )
+        _check_choice("clipping", clipping, CLIPPING_STYLES)
+        _check_choice("norm_strategy", norm_strategy, NORM_STRATEGIES)
+        if not isinstance(model, nn.Module):
+            raise FlashDPError(f"make_private expects an nn.Module. Received {type(model).__name__}.")
+        if not (isinstance(max_grad_norm, int | float) and 0 < max_grad_norm < float("inf")):
+            raise FlashDPError(f"max_grad_norm must be a positive finite number. Received {max_grad_norm!r}.")
+        self.model = model
+        self.mode = mode
+        self.max_grad_norm = float(max_grad_norm)
+        self.clipping = clipping
+        self.norm_strategy = norm_strategy
+        self._scan: ModelScan = scan_model(model)
+        self._params_by_id: dict[int, TrainableParam] = {id(p.param): p for p in self._scan.params}
+        self._recorder: Recorder | None = Recorder(self._scan.layers)
+        self.strategies: dict[str, str] = {}
+
+    # -- clipping -----------------------------------------------------------------------------------------
+
+    def backward(self, loss: Tensor) -> Tensor:
+        """Add `sum_i c_i grad(loss[i])` to every trainable parameter's `.grad`; return `||g_i||` `[B]` float32.
+
+        loss: `[B]`, one loss per sample of the last forward (e.g. `reduction="none"`).
+        """
+        recorder = self._attached_recorder()
+        self._check_trainable_unchanged()
+        loss = _check_loss(loss)
+        calls = recorder.take()
+        if not calls:
+            raise FlashDPError(
+                "engine.backward() found no forward pass to clip: run the model's forward with gradients enabled "
+                "(not under torch.no_grad()) after make_private and before backward."
+            )
+        batch = loss.shape[0]
+        if batch == 0:
+            return torch.zeros(0, dtype=torch.float32, device=loss.device)
+        second_pass = self.mode == "ghost" and self.clipping != "per_layer"
+        outputs_grads = torch.autograd.grad(
+            loss.sum(), [c.edge for c in calls], retain_graph=second_pass, allow_unused=True
+        )
+        with torch.no_grad():  # the recorded activations require grad; nothing below is differentiated
+            grads = self._per_sample_gradients(calls, outputs_grads, batch)
+            group_norms_sq = torch.zeros(len(self._scan.group_names), batch, dtype=torch.float64, device=loss.device)
+            for param, grad in grads:
+                group_norms_sq[param.group] += grad.norm_sq().to(group_norms_sq.dtype)
+            self.strategies = {param.name: grad.strategy for param, grad in grads}
+            coef = clip_coefficients(self.clipping, group_norms_sq, self.max_grad_norm)
+            if not second_pass:
+                for param, grad in grads:
+                    _accumulate(param.param, grad.clipped_sum(coef[param.group]))
+        if second_pass:
+            del grads
+            (loss * coef[0].to(loss.dtype)).sum().backward()
+        return group_norms_sq.sum(0).sqrt().float()
+
+    def _per_sample_gradients(
+        self, calls: list[Call], outputs_grads: tuple, batch: int
+    ) -> list[tuple[TrainableParam, ParamGradient]]:
+        by_param: dict[int, ParamGradient] = {}
+        info = self._params_by_id
+        for call, grad_at_edge in zip(calls, outputs_grads, strict=True):
+            layer = call.layer
+            if grad_at_edge is None:
+                if call.modified_in_place():
+                    raise FlashDPError(
+                        f"The output of layer {layer.label} was modified in place after the layer returned it "
+                        "(e.g. ReLU(inplace=True) or `out += x`), which hides its gradient. Make that operation "
+                        "out of place (inplace=False, `out = out + x`)."
+                    )
+                continue  # this call's output does not reach the loss
+            grad_output = call.grad_output(grad_at_edge)
+            if call.batch_size != batch:
+                raise FlashDPError(
+                    f"Batch size mismatch: the loss has {batch} per-sample values, but layer {layer.label} was "
+                    f"called on a batch of {call.batch_size} (its output's first dim). flashdp needs the batch as "
+                    "the first dim of every layer's input and output, and one loss per sample."
+                )
+            per_sample = layer.match.rule.per_sample_grads(layer.module, call.inputs, grad_output, layer.trainable)
+            missing = layer.trainable - set(per_sample)
+            if missing:
+                raise FlashDPError(
+                    f"Rule {layer.match.rule.name} returned no per-sample gradient for {sorted(missing)} of layer "
+                    f"{layer.label}."
+                )
+            for name in layer.trainable:
+                param = layer.module._parameters[name]
+                tracked = info[id(param)]
+                slot = by_param.get(id(param))
+                if slot is None:
+                    slot = by_param[id(param)] = ParamGradient(tracked.name, param, batch, self.norm_strategy)
+                slot.add(per_sample[name], layer.label)
+        if not by_param:
+            raise FlashDPError(
+                "The loss does not depend on any trainable layer recorded in the last forward pass: compute the "
+                "per-sample losses from this model's output."
+            )
+        return [(info[pid], slot) for pid, slot in by_param.items()]
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+
+    def detach(self) -> None:
+        """Remove every hook: the model is plain PyTorch again. The engine cannot clip after this."""
+        if self._recorder is not None:
+            self._recorder.remove()
+            self._recorder = None
+
+    def __enter__(self) -> DPEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def _attached_recorder(self) -> Recorder:
+        if self._recorder is None:
+            raise FlashDPError("This engine was detached; call flashdp.make_private(model, ...) again.")
+        return self._recorder
+
+    def _check_trainable_unchanged(self) -> None:
+        expected = self._params_by_id.keys()
+        current = {id(p) for p in self.model.parameters() if p.requires_grad}
+        if current != expected:
+            raise FlashDPError(
+                "The model's trainable parameters changed since make_private (requires_grad toggled or parameters "
+                "added). Call engine.detach() and flashdp.make_private(model, ...) again."
+            )
+
+
+def _check_choice(what: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise FlashDPError(f"{what} must be one of {', '.join(map(repr, allowed))}. Received {value!r}.")
+
+
+def _check_loss(loss: object) -> Tensor:
+    if not isinstance(loss, Tensor):
+        raise FlashDPError(f"engine.backward expects a tensor of per-sample losses. Received {type(loss).__name__}.")
+    if loss.dim() != 1:
+        raise FlashDPError(
+            f"Wrong shape: expected a 1-D loss of shape (B,), one loss per sample. Received a {loss.dim()}-dim "
+            f"tensor of shape {tuple(loss.shape)}. Use reduction='none' and reduce all but the batch dim "
+            "(e.g. loss.mean(dim=1))."
+        )
+    if not loss.requires_grad:
+        raise FlashDPError("The loss does not require grad: compute it from the model's output with grad enabled.")
+    finite = torch.isfinite(loss.detach())
+    if not bool(finite.all()):
+        bad = torch.nonzero(~finite).flatten().tolist()
+        raise FlashDPError(f"Non-finite per-sample losses at batch indices {bad[:20]}: fix them before clipping.")
+    return loss
+
+
+def _accumulate(param: nn.Parameter, clipped_sum: Tensor) -> None:
+    """`param.grad += clipped_sum`, creating it when absent."""
+    if param.grad is None:
+        param.grad = clipped_sum.to(param.dtype)
+    else:
+        param.grad.add_(clipped_sum.to(param.grad.dtype))
+
+
+def make_private(
+    model: nn.Module,
+    *,
+    mode: Mode = "bk",
+    max_grad_norm: float,
+    clipping: Clipping = "flat",
+    norm_strategy: StrategyChoice = "auto",
+) -> DPEngine:
+    """Attach per-sample clipping to `model` (not wrapped: its state_dict, type and methods are unchanged).
+
+    Args:
+        mode: "bk" (one backward pass), "ghost" (two passes) or "flash" (Triton kernels).
+        max_grad_norm: C, the clipping bound.
+        clipping: "flat", "per_layer" (each layer to C / sqrt(#layers)) or "automatic" (C / (||g|| + 0.01)).
+        norm_strategy: "auto" picks, per layer and batch shape, the cheaper exact norm of a weight; "ghost" or
+            "direct" force one (for benchmarks and tests).
+    """
+    return DPEngine(model, mode=mode, max_grad_norm=max_grad_norm, clipping=clipping, norm_strategy=norm_strategy)

@@ -1,0 +1,22 @@
+"""Per-layer rules: pure functions from a layer's inputs and output gradient to per-sample gradients.
+
+Importing this package registers the built-in rules.
+"""
+
+from flashdp.rules import conv, embedding, linear, norms
+from flashdp.rules.grads import OuterGrad, PerSampleGrad, TokenRows
+from flashdp.rules.registry import Rule, RuleMatch, find_rule, register_rule
+
+__all__ = [
+    "OuterGrad",
+    "PerSampleGrad",
+    "Rule",
+    "RuleMatch",
+    "TokenRows",
+    "conv",
+    "embedding",
+    "find_rule",
+    "linear",
+    "norms",
+    "register_rule",
+]

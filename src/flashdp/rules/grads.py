@@ -1,0 +1,78 @@
+"""How a rule describes one call's per-sample gradients of one parameter.
+
+Two forms:
+
+- a plain tensor `[B, *param.shape]`: the per-sample gradients themselves, for small parameters (biases,
+  norm weights) where holding them costs no more than the activations;
+- `OuterGrad`: the per-sample gradient as a sum of outer products over positions,
+  `g_n = sum_t left[n, t] ⊗ right[n, t]`, which is never materialised unless that is the cheapest exact way
+  to get its norm (Linear, Conv, Embedding, HF Conv1D).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """One-hot row vectors given by ids: the left factor of an embedding's gradient.
+
+    ids: `[N, T]` integer row indices into a table of `num_rows` rows.
+    """
+
+    ids: Tensor
+    num_rows: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (*self.ids.shape, self.num_rows)
+
+
+@dataclass(frozen=True)
+class OuterGrad:
+    """Per-sample gradient `g_n = left[n]^T right[n]`, a `[p, d]` block per row n.
+
+    left: `[N, T, p]` dense, or `TokenRows` (one-hot rows, p = num_rows).
+    right: `[N, T, d]`.
+    groups: the parameter is `groups` disjoint `[p, d]` blocks (grouped convolution); sample b owns the rows
+        `n = b * groups + j`, and its gradient stacks them to `[groups * p, d]`, viewed as the parameter's shape.
+    """
+
+    left: Tensor | TokenRows
+    right: Tensor
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        n, t, _ = self.left.shape
+        if self.right.dim() != 3 or self.right.shape[:2] != (n, t):
+            raise ValueError(
+                f"OuterGrad: left is [N, T, p] = {tuple(self.left.shape)} but right is "
+                f"{tuple(self.right.shape)}; expected right as [N, T, d] with the same N and T."
+            )
+        if n % self.groups:
+            raise ValueError(f"OuterGrad: N = {n} rows is not a multiple of groups = {self.groups}.")
+
+    @property
+    def is_tokens(self) -> bool:
+        return isinstance(self.left, TokenRows)
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        """(p, d) of one group's block."""
+        return self.left.shape[2], self.right.shape[2]
+
+
+PerSampleGrad = Tensor | OuterGrad
+
+
+def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
+    """float32 for half-precision inputs, float64 stays float64."""
+    dtype = torch.float32
+    for t in tensors:
+        if t.is_floating_point():
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype

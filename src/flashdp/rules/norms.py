@@ -1,0 +1,81 @@
+"""Normalisation layers: `y = x_hat * w (+ b)` with x_hat computed per sample, so `dw_i = sum_t x_hat_t * g_t`.
+
+LayerNorm, RMSNorm, GroupNorm, and HF's RMS norms (LlamaRMSNorm, T5LayerNorm, ...: a `weight` and a
+`variance_epsilon`, no bias). BatchNorm mixes samples and is refused elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from flashdp.rules.grads import accumulation_dtype
+from flashdp.rules.registry import register_rule
+from flashdp.rules.shapes import sum_over_positions
+
+
+def _affine_grads(x_hat: Tensor, grad_output: Tensor, param_dims: int, trainable: frozenset[str]) -> dict:
+    """weight `[B, *param]` = sum over positions of `x_hat * g`; bias = sum of g."""
+    out = {}
+    if "weight" in trainable:
+        out["weight"] = sum_over_positions(x_hat * grad_output.to(x_hat.dtype), param_dims)
+    if "bias" in trainable:
+        out["bias"] = sum_over_positions(grad_output, param_dims)
+    return out
+
+
+def layer_norm_grads(module: nn.LayerNorm, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
+    """x `[B, ..., *normalized_shape]` -> weight and bias `[B, *normalized_shape]`."""
+    x = inputs[0]
+    shape = module.normalized_shape
+    x_hat = F.layer_norm(x.to(accumulation_dtype(x)), shape, eps=module.eps)
+    return _affine_grads(x_hat, grad_output, len(shape), trainable)
+
+
+def rms_norm_grads(module: nn.RMSNorm, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
+    """x `[B, ..., *normalized_shape]` -> weight `[B, *normalized_shape]`."""
+    x = inputs[0]
+    eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+    x_hat = F.rms_norm(x.to(accumulation_dtype(x)), module.normalized_shape, eps=eps)
+    return _affine_grads(x_hat, grad_output, len(module.normalized_shape), trainable)
+
+
+def group_norm_grads(module: nn.GroupNorm, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
+    """x `[B, C, *]` -> weight and bias `[B, C]`."""
+    x = inputs[0]
+    x_hat = F.group_norm(x.to(accumulation_dtype(x)), module.num_groups, eps=module.eps)
+    return _affine_grads(x_hat.movedim(1, -1), grad_output.movedim(1, -1), 1, trainable)
+
+
+def _hf_rms_x_hat(module: nn.Module, x: Tensor) -> Tensor:
+    x = x.to(accumulation_dtype(x))
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + module.variance_epsilon)
+
+
+def hf_rms_norm_grads(module: nn.Module, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
+    """HF RMS norm over the last dim: weight `[B, d]`."""
+    return _affine_grads(_hf_rms_x_hat(module, inputs[0]), grad_output, 1, trainable)
+
+
+def is_hf_rms_norm(module: nn.Module) -> bool:
+    """LlamaRMSNorm / T5LayerNorm style: a 1-D `weight`, a `variance_epsilon`, no bias."""
+    weight = getattr(module, "weight", None)
+    return (
+        isinstance(weight, nn.Parameter)
+        and weight.dim() == 1
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+        and getattr(module, "bias", None) is None
+        and set(dict(module.named_parameters(recurse=False))) == {"weight"}
+    )
+
+
+def hf_rms_norm_forward(module: nn.Module, inputs: tuple) -> Tensor:
+    x = inputs[0]
+    return module.weight * _hf_rms_x_hat(module, x).to(x.dtype)
+
+
+register_rule(nn.LayerNorm, layer_norm_grads)
+register_rule(nn.RMSNorm, rms_norm_grads)
+register_rule(nn.GroupNorm, group_norm_grads)
+register_rule(is_hf_rms_norm, hf_rms_norm_grads, reference_forward=hf_rms_norm_forward)

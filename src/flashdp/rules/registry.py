@@ -1,0 +1,104 @@
+"""Which rule computes a layer's per-sample gradients: by type (walking the MRO) or by a predicate."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from flashdp.rules.grads import PerSampleGrad
+
+#: `(module, inputs, grad_output, trainable) -> {param name: per-sample grad}`.
+#: inputs: the positional inputs of one forward call (batch first); grad_output: `[B, ...]` gradient of the sum
+#: of per-sample losses w.r.t. that call's output; trainable: the module's own parameter names to compute.
+PerSampleGradsFn = Callable[[nn.Module, tuple, Tensor, frozenset[str]], Mapping[str, PerSampleGrad]]
+
+#: `(module, inputs) -> output`: the forward a rule assumes, to check a module really computes it.
+ReferenceForward = Callable[[nn.Module, tuple], Tensor]
+
+#: `module -> reason it is not supported, or None`.
+SupportCheck = Callable[[nn.Module], str | None]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What flashdp needs of one layer type."""
+
+    per_sample_grads: PerSampleGradsFn
+    params: tuple[str, ...] | None = None
+    reference_forward: ReferenceForward | None = None
+    check: SupportCheck | None = None
+
+    @property
+    def name(self) -> str:
+        return getattr(self.per_sample_grads, "__qualname__", repr(self.per_sample_grads))
+
+
+@dataclass(frozen=True)
+class RuleMatch:
+    """A rule found for one module, and the forward to verify it against (None: nothing to verify).
+
+    A module matched by a predicate, or whose class overrides `forward` of the registered type, is checked once
+    against the rule's reference forward before its gradients are trusted.
+    """
+
+    rule: Rule
+    verify_with: ReferenceForward | None
+
+
+_TYPE_RULES: dict[type, Rule] = {}
+_PREDICATE_RULES: list[tuple[Callable[[nn.Module], bool], Rule]] = []
+
+
+def register_rule(
+    layer: type[nn.Module] | Callable[[nn.Module], bool],
+    per_sample_grads: PerSampleGradsFn,
+    *,
+    params: tuple[str, ...] | None = None,
+    reference_forward: ReferenceForward | None = None,
+    check: SupportCheck | None = None,
+) -> None:
+    """Teach flashdp the per-sample gradients of a layer type.
+
+    Args:
+        layer: a module class (subclasses match too; the most specific registration wins) or a predicate
+            `module -> bool` for duck-typed layers (the latest registered predicate is tried first).
+        per_sample_grads: `(module, inputs, grad_output, trainable) -> {name: grad}`. `inputs` are the call's
+            positional inputs, `grad_output` the `[B, ...]` gradient w.r.t. its output; return, for each name in
+            `trainable`, either the per-sample gradients `[B, *param.shape]` or a `flashdp.rules.OuterGrad`.
+        params: names of the module's own parameters the rule covers (default: all of them).
+        reference_forward: `(module, inputs) -> output`, the forward the rule assumes. Predicate-matched modules
+            are checked against it on their first call (default for classes: the class's own `forward`, checked
+            when a subclass overrides it).
+        check: `module -> reason or None`, for configurations the rule cannot handle.
+
+    Example:
+        >>> def scale_grads(module, inputs, grad_output, trainable):
+        ...     (x,) = inputs
+        ...     return {"scale": (x * grad_output).flatten(1).sum(1, keepdim=True)}
+        >>> flashdp.register_rule(MyScale, scale_grads)
+    """
+    rule = Rule(per_sample_grads, params, reference_forward, check)
+    if isinstance(layer, type):
+        if not issubclass(layer, nn.Module):
+            raise TypeError(f"register_rule: expected an nn.Module subclass or a predicate, got class {layer!r}.")
+        _TYPE_RULES[layer] = rule
+    elif callable(layer):
+        _PREDICATE_RULES.insert(0, (layer, rule))
+    else:
+        raise TypeError(f"register_rule: expected an nn.Module subclass or a predicate, got {type(layer)!r}.")
+
+
+def find_rule(module: nn.Module) -> RuleMatch | None:
+    """The rule for `module`, or None when no registration matches."""
+    cls = type(module)
+    for base in cls.__mro__:
+        rule = _TYPE_RULES.get(base)
+        if rule is not None:
+            overridden = cls.forward is not base.forward
+            return RuleMatch(rule, (rule.reference_forward or base.forward) if overridden else None)
+    for predicate, rule in _PREDICATE_RULES:
+        if predicate(module):
+            return RuleMatch(rule, rule.reference_forward)
+    return None

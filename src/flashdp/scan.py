@@ -1,0 +1,119 @@
+"""What `make_private` learns of a model once: its trainable layers, their rules, and the clipping groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from flashdp.errors import FlashDPError
+from flashdp.rules import RuleMatch, find_rule
+
+#: Layer types whose output for one sample depends on the other samples of the batch.
+SAMPLE_MIXING = (nn.modules.batchnorm._BatchNorm,)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A module that owns trainable parameters, and the rule that gives their per-sample gradients."""
+
+    path: str
+    module: nn.Module
+    match: RuleMatch
+    trainable: frozenset[str]
+
+    @property
+    def label(self) -> str:
+        return f"'{self.path or '<root>'}' ({type(self.module).__name__})"
+
+
+@dataclass(frozen=True)
+class TrainableParam:
+    """A trainable parameter, once, with its name and its clipping group (layers sharing it form one group)."""
+
+    name: str
+    param: nn.Parameter
+    group: int
+
+
+@dataclass(frozen=True)
+class ModelScan:
+    layers: list[Layer]
+    params: list[TrainableParam]
+    group_names: list[str]
+
+
+def scan_model(model: nn.Module) -> ModelScan:
+    """Find every trainable layer and its rule; fail loudly on anything that cannot be clipped exactly."""
+    _refuse_sample_mixing(model)
+    layers, problems = [], []
+    owners: dict[int, list[int]] = {}  # id(param) -> indices of the layers that own it
+    names: dict[int, tuple[str, nn.Parameter]] = {}
+    for path, module in model.named_modules():
+        own = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
+        if not own:
+            continue
+        match = find_rule(module)
+        problem = _coverage_problem(path, module, match, own)
+        if problem:
+            problems.append(problem)
+            continue
+        for name, param in own.items():
+            owners.setdefault(id(param), []).append(len(layers))
+            names.setdefault(id(param), (f"{path}.{name}" if path else name, param))
+        layers.append(Layer(path, module, match, frozenset(own)))
+    if problems:
+        raise FlashDPError(
+            "flashdp cannot compute exact per-sample gradients for these trainable parameters:\n  - "
+            + "\n  - ".join(problems)
+            + "\nFreeze them (p.requires_grad_(False)), or teach flashdp the layer with "
+            "flashdp.register_rule(LayerType, per_sample_grads) before make_private."
+        )
+    if not layers:
+        raise FlashDPError(
+            "The model has no trainable parameters (none with requires_grad=True): nothing to train privately."
+        )
+    group_of_layer = _union_groups(len(layers), owners.values())
+    params = [TrainableParam(name, p, group_of_layer[owners[pid][0]]) for pid, (name, p) in names.items()]
+    group_names = [""] * (max(group_of_layer) + 1)
+    for layer, group in zip(layers, group_of_layer, strict=True):
+        group_names[group] = group_names[group] or layer.path
+    return ModelScan(layers, params, group_names)
+
+
+def _refuse_sample_mixing(model: nn.Module) -> None:
+    mixing = [f"'{p}' ({type(m).__name__})" for p, m in model.named_modules() if isinstance(m, SAMPLE_MIXING)]
+    if mixing:
+        raise FlashDPError(
+            f"{', '.join(mixing)}: BatchNorm mixes samples (its batch statistics make each output depend on the "
+            "whole batch), so per-sample gradients, and DP-SGD's guarantee, do not exist for it. Replace it with "
+            "nn.GroupNorm or nn.LayerNorm (e.g. GroupNorm(min(32, C), C))."
+        )
+
+
+def _coverage_problem(path: str, module: nn.Module, match: RuleMatch | None, own: dict) -> str | None:
+    where = f"'{path or '<root>'}' ({type(module).__module__}.{type(module).__qualname__})"
+    if match is None:
+        return f"{where}: parameters {sorted(own)} have no per-sample gradient rule"
+    covered = set(own) if match.rule.params is None else set(match.rule.params)
+    if set(own) - covered:
+        return f"{where}: parameters {sorted(set(own) - covered)} are not covered by rule {match.rule.name}"
+    reason = match.rule.check(module) if match.rule.check else None
+    return f"{where}: {reason}" if reason else None
+
+
+def _union_groups(count: int, shared: object) -> list[int]:
+    """Group index per layer: layers that share a parameter are one group (numbered by first layer)."""
+    parent = list(range(count))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for indices in shared:
+        for other in indices[1:]:
+            parent[root(other)] = root(indices[0])
+    numbering: dict[int, int] = {}
+    return [numbering.setdefault(root(i), len(numbering)) for i in range(count)]

@@ -118,6 +118,13 @@ class DPEngine:
                     )
                 continue  # this call's output does not reach the loss
             grad_output = call.grad_output(grad_at_edge)
+            if call.batch_size == 1 and batch > 1:
+                raise FlashDPError(
+                    f"Layer {layer.label} was called on a batch of 1 while the loss has {batch} samples: its output "
+                    "was shared across the batch by broadcasting (e.g. position embeddings looked up with "
+                    "position_ids of shape [1, T]), so autograd only sees the gradient summed over samples. Give it "
+                    "each sample's own input (for HF models: position_ids=torch.arange(T).expand(B, T)) or freeze it."
+                )
             if call.batch_size != batch:
                 raise FlashDPError(
                     f"Batch size mismatch: the loss has {batch} per-sample values, but layer {layer.label} was "

@@ -90,14 +90,22 @@ def register_rule(
         raise TypeError(f"register_rule: expected an nn.Module subclass or a predicate, got {type(layer)!r}.")
 
 
+def _class_forward(cls: type[nn.Module]) -> ReferenceForward:
+    def forward(module: nn.Module, inputs: tuple) -> Tensor:
+        return cls.forward(module, *inputs)
+
+    return forward
+
+
 def find_rule(module: nn.Module) -> RuleMatch | None:
     """The rule for `module`, or None when no registration matches."""
     cls = type(module)
     for base in cls.__mro__:
         rule = _TYPE_RULES.get(base)
         if rule is not None:
-            overridden = cls.forward is not base.forward
-            return RuleMatch(rule, (rule.reference_forward or base.forward) if overridden else None)
+            if cls.forward is base.forward:
+                return RuleMatch(rule, None)
+            return RuleMatch(rule, rule.reference_forward or _class_forward(base))
     for predicate, rule in _PREDICATE_RULES:
         if predicate(module):
             return RuleMatch(rule, rule.reference_forward)

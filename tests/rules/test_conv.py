@@ -1,0 +1,54 @@
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from tests.oracle import check_against_oracle
+from tests.strategies import batches, modes, norm_strategies, per_sample_loss
+
+
+@st.composite
+def conv_configs(draw):
+    groups = draw(st.sampled_from([1, 2, 3]))
+    padding_mode = draw(st.sampled_from(["zeros", "reflect", "replicate", "circular"]))
+    padding = draw(st.sampled_from([0, 1, 2, "same", "valid"]))
+    stride = draw(st.integers(1, 2))
+    if padding == "same":
+        stride = 1  # PyTorch allows 'same' only with stride 1
+    return {
+        "in_channels": groups * draw(st.integers(1, 2)),
+        "out_channels": groups * draw(st.integers(1, 2)),
+        "kernel_size": draw(st.integers(1, 3)),
+        "stride": stride,
+        "padding": padding,
+        "dilation": draw(st.integers(1, 2)),
+        "groups": groups,
+        "bias": draw(st.booleans()),
+        "padding_mode": padding_mode,
+    }
+
+
+@given(batch=batches, dims=st.sampled_from([1, 2]), config=conv_configs(), mode=modes, strategy=norm_strategies)
+def test_conv_matches_oracle(batch, dims, config, mode, strategy):
+    conv = (nn.Conv1d if dims == 1 else nn.Conv2d)(**config)
+    size = (7,) * dims
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
+    model(torch.zeros(1, config["in_channels"], *size, dtype=torch.float64))
+    x = torch.randn(batch, config["in_channels"], *size, dtype=torch.float64)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode, norm_strategy=strategy)
+
+
+def test_two_conv_layers_with_groupnorm_match_oracle():
+    """A small CNN: the second conv sees activations that require grad."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, stride=2, groups=2),
+        nn.Flatten(),
+        nn.LazyLinear(3),
+    ).double()
+    model(torch.zeros(1, 3, 8, 8, dtype=torch.float64))
+    x = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+    for mode in ("bk", "ghost"):
+        check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 3, mode=mode)

@@ -1,0 +1,70 @@
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+from tests.oracle import check_against_oracle
+from tests.strategies import batches, clippings, modes, odd, per_sample_loss
+
+NORMS = {
+    "layernorm": lambda d: nn.LayerNorm(d),
+    "layernorm_nobias": lambda d: nn.LayerNorm(d, bias=False),
+    "rmsnorm": lambda d: nn.RMSNorm(d),
+    "rmsnorm_eps": lambda d: nn.RMSNorm(d, eps=1e-3),
+    "llama_rms": lambda d: LlamaRMSNorm(d, eps=1e-5),
+    "t5_norm": lambda d: T5LayerNorm(d, eps=1e-6),
+}
+
+
+def _randomise_affine(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+
+
+@given(
+    batch=batches,
+    lead=st.lists(st.integers(1, 3), max_size=2),
+    d=odd,
+    norm=st.sampled_from(sorted(NORMS)),
+    mode=modes,
+    clipping=clippings,
+)
+def test_last_dim_norms_match_oracle(batch, lead, d, norm, mode, clipping):
+    hf_float32_internals = norm in ("llama_rms", "t5_norm")
+    if hf_float32_internals:
+        # At d = 1, x_hat = +-1 and the input gradient is ~0: what HF's float32 arithmetic returns there is
+        # rounding noise, different in every run. From d = 3 on it is a real gradient.
+        d += 2
+    model = nn.Sequential(nn.Linear(d, d), NORMS[norm](d), nn.Linear(d, 2)).double()
+    _randomise_affine(model)
+    x = torch.randn(batch, *lead, d, dtype=torch.float64)
+    # HF norms compute x_hat in float32 even for float64 inputs: the oracle carries that rounding.
+    rtol = 1e-6 if hf_float32_internals else 1e-9
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode, clipping=clipping, rtol=rtol)
+
+
+@given(batch=batches, t=odd, mode=modes)
+def test_layernorm_over_two_dims_matches_oracle(batch, t, mode):
+    model = nn.Sequential(nn.LayerNorm((t, 3)), nn.Flatten(), nn.Linear(3 * t, 2)).double()
+    _randomise_affine(model)
+    x = torch.randn(batch, t, 3, dtype=torch.float64)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode)
+
+
+@given(
+    batch=batches,
+    groups=st.sampled_from([1, 2, 3]),
+    per_group=st.integers(1, 2),
+    spatial=st.lists(st.integers(2, 3), min_size=1, max_size=2),  # GroupNorm needs 2+ values per group
+    mode=modes,
+)
+def test_groupnorm_matches_oracle(batch, groups, per_group, spatial, mode):
+    channels = groups * per_group
+    model = nn.Sequential(nn.GroupNorm(groups, channels), nn.Flatten(), nn.LazyLinear(2)).double()
+    x = torch.randn(batch, channels, *spatial, dtype=torch.float64)
+    model(torch.zeros(1, channels, *spatial, dtype=torch.float64))  # materialise the lazy layer
+    _randomise_affine(model)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode)

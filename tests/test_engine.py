@@ -1,0 +1,168 @@
+"""DPEngine behaviour: passes, accumulation, empty batches, frozen parameters, autocast, no wrapping."""
+
+import pytest
+import torch
+from hypothesis import given
+from torch import nn
+
+import flashdp
+from tests.oracle import check_against_oracle, clip, grads_of, per_sample_grads
+from tests.strategies import batches, clippings, modes, norm_strategies, per_sample_loss
+
+
+class TwiceLinear(nn.Module):
+    """One Linear called twice in a forward: its norm is that of the SUM of both contributions."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.shared = nn.Linear(d, d)
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x):
+        return self.out(self.shared(torch.tanh(self.shared(x))))
+
+
+@given(batch=batches, mode=modes, clipping=clippings, strategy=norm_strategies)
+def test_module_called_twice_matches_oracle(batch, mode, clipping, strategy):
+    model = TwiceLinear(3).double()
+    x = torch.randn(batch, 4, 3, dtype=torch.float64)
+    check_against_oracle(
+        model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode, clipping=clipping, norm_strategy=strategy
+    )
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+
+
+@pytest.mark.parametrize("mode, expected_calls_per_param", [("bk", 0), ("ghost", 1)])
+def test_norm_pass_computes_no_parameter_gradient(mode, expected_calls_per_param):
+    """bk never lets autograd accumulate a parameter gradient; ghost does so once, in its second pass."""
+    model = _mlp()
+    calls = {n: 0 for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, name=name: calls.__setitem__(name, calls[name] + 1))
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0) as engine:
+        engine.backward(per_sample_loss(model(torch.randn(3, 4, dtype=torch.float64))))
+    assert calls == {n: expected_calls_per_param for n in calls}
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_micro_batches_accumulate_to_the_union_batch(mode):
+    model = _mlp()
+    x = torch.randn(7, 4, dtype=torch.float64)
+    expected_norms, expected = clip(per_sample_grads(model, lambda s: per_sample_loss(model(x[s])), 7), "flat", 0.5)
+    model.zero_grad(set_to_none=True)
+    with flashdp.make_private(model, mode=mode, max_grad_norm=0.5) as engine:
+        norms = torch.cat([engine.backward(per_sample_loss(model(x[s]))) for s in (slice(0, 3), slice(3, 7))])
+    torch.testing.assert_close(norms.double(), expected_norms, rtol=1e-6, atol=0)
+    for name, g in grads_of(model).items():
+        torch.testing.assert_close(g, expected[name])
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_empty_batch_changes_nothing(mode):
+    model = _mlp()
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0) as engine:
+        norms = engine.backward(per_sample_loss(model(torch.randn(0, 4, dtype=torch.float64))))
+    assert norms.shape == (0,) and norms.dtype == torch.float32
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
+    assert all(p.grad is None for p in list(model.parameters())[1:])
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_only_trainable_parameters_count(mode):
+    """A LoRA-like model: frozen base layers, trainable adapters and one trainable bias."""
+    model = _mlp()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model[2].bias.requires_grad_(True)
+    model[4].weight.requires_grad_(True)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 5, mode=mode)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_unused_layer_is_left_alone(mode):
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(3, 2), nn.Linear(3, 2)
+
+        def forward(self, x):
+            self.unused(x)  # called, but its output does not reach the loss
+            return self.used(x)
+
+    model = Branchy().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 4, mode=mode)
+    assert model.unused.weight.grad is None
+
+
+def test_forward_without_backward_does_not_disturb_the_next_step():
+    """A forward with grad enabled whose loss is never clipped (e.g. a probe) holds no sway over the next one."""
+    model = _mlp()
+    model(torch.randn(9, 4, dtype=torch.float64))  # different batch size, never backpropagated
+    x = torch.randn(3, 4, dtype=torch.float64)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 3)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_bf16_autocast_agrees_with_float32(mode):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Embedding(20, 16), nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 20))
+    ids = torch.randint(0, 20, (4, 12))
+
+    def run(autocast: bool):
+        model.zero_grad(set_to_none=True)
+        with flashdp.make_private(model, mode=mode, max_grad_norm=0.1) as engine:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model(ids)
+            loss = nn.functional.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none").mean(1)
+            norms = engine.backward(loss)
+        return norms, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    norms32, grads32 = run(False)
+    norms16, grads16 = run(True)
+    assert norms16.dtype == torch.float32
+    torch.testing.assert_close(norms16, norms32, rtol=2e-2, atol=1e-3)
+    assert (grads16 - grads32).norm() <= 3e-2 * grads32.norm()
+
+
+def test_model_is_not_wrapped_and_detach_removes_every_hook():
+    model = _mlp()
+    keys = list(model.state_dict())
+    attributes = {name: set(vars(m)) for name, m in model.named_modules()}
+    engine = flashdp.make_private(model, mode="bk", max_grad_norm=1.0)
+    assert isinstance(model, nn.Sequential) and list(model.state_dict()) == keys
+    assert {name: set(vars(m)) for name, m in model.named_modules()} == attributes
+    assert all(not hasattr(p, "grad_sample") for p in model.parameters())
+    assert any(m._forward_hooks for m in model.modules())
+    engine.detach()
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_context_manager_detaches():
+    model = _mlp()
+    with flashdp.make_private(model, mode="ghost", max_grad_norm=1.0):
+        pass
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_under_no_grad_nothing_is_recorded():
+    model = _mlp()
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as engine, torch.no_grad():
+        model(torch.randn(2, 4, dtype=torch.float64))
+        assert engine._recorder.calls == []
+
+
+def test_strategies_follow_the_cost_model_per_batch_shape():
+    """The same layer is normed directly for long inputs and by ghost norm for short ones."""
+    model = nn.Linear(64, 64)
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as engine:
+        engine.backward(model(torch.randn(2, 4, 64)).sum((1, 2)))
+        assert engine.strategies["weight"] == "ghost"
+        engine.backward(model(torch.randn(2, 200, 64)).sum((1, 2)))
+        assert engine.strategies["weight"] == "direct"

@@ -1,0 +1,265 @@
+"""Bad input fails loudly at the earliest point, naming the culprit and what to do."""
+
+import pytest
+import torch
+from torch import nn
+
+import flashdp
+from flashdp import FlashDPError
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+@pytest.fixture
+def engine():
+    model = _mlp()
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as eng:
+        yield model, eng
+
+
+def test_scalar_loss_is_refused(engine):
+    model, eng = engine
+    with pytest.raises(FlashDPError, match=r"expected a 1-D loss of shape \(B,\).*Received a 0-dim"):
+        eng.backward(model(torch.randn(3, 4)).sum())
+
+
+def test_two_dim_loss_is_refused(engine):
+    model, eng = engine
+    with pytest.raises(FlashDPError, match=r"Received a 2-dim tensor of shape \(3, 2\).*reduction='none'"):
+        eng.backward(model(torch.randn(3, 4)))
+
+
+def test_non_tensor_loss_is_refused(engine):
+    _, eng = engine
+    with pytest.raises(FlashDPError, match="Received list"):
+        eng.backward([1.0, 2.0])
+
+
+def test_loss_batch_not_matching_forward_names_the_layer(engine):
+    model, eng = engine
+    out = model(torch.randn(3, 4))
+    with pytest.raises(FlashDPError, match=r"loss has 2 per-sample values, but layer '0' \(Linear\).*batch of 3"):
+        eng.backward(out[:2].sum(1))
+
+
+def test_layer_that_folds_the_batch_into_positions_is_caught():
+    class Flattening(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x):  # [B, T, d] -> [B * T, d]: the Linear sees B*T "samples"
+            return self.lin(x.reshape(-1, 4)).view(x.shape[0], -1)
+
+    model = Flattening()
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as eng:
+        out = model(torch.randn(3, 5, 4))
+        with pytest.raises(FlashDPError, match=r"layer 'lin' \(Linear\) was called on a batch of 15"):
+            eng.backward(out.sum(1))
+
+
+def test_backward_without_forward(engine):
+    model, eng = engine
+    loss = model(torch.randn(2, 4)).sum(1)
+    eng.backward(loss)
+    with pytest.raises(FlashDPError, match="found no forward pass"):
+        eng.backward(torch.ones(2, requires_grad=True))
+
+
+def test_non_finite_losses_name_the_samples(engine):
+    model, eng = engine
+    loss = model(torch.randn(4, 4)).sum(1) * torch.tensor([1.0, float("nan"), 1.0, float("inf")])
+    with pytest.raises(FlashDPError, match=r"Non-finite per-sample losses at batch indices \[1, 3\]"):
+        eng.backward(loss)
+
+
+def test_loss_not_requiring_grad(engine):
+    model, eng = engine
+    model(torch.randn(2, 4))
+    with pytest.raises(FlashDPError, match="does not require grad"):
+        eng.backward(torch.ones(2))
+
+
+def test_loss_independent_of_the_model(engine):
+    model, eng = engine
+    model(torch.randn(2, 4))
+    with pytest.raises(FlashDPError, match="does not depend on any trainable layer"):
+        eng.backward(torch.ones(2, requires_grad=True) * 2)
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+def test_uncovered_parameter_names_module_type_and_the_fix():
+    model = nn.Sequential(nn.Linear(3, 3), Scale())
+    with pytest.raises(
+        FlashDPError, match=r"(?s)'1' \(tests\.test_errors\.Scale\): parameters \['gain'\].*register_rule"
+    ):
+        flashdp.make_private(model, mode="bk", max_grad_norm=1.0)
+
+
+def test_uncovered_parameter_may_be_frozen_instead():
+    model = nn.Sequential(nn.Linear(3, 3), Scale())
+    model[1].gain.requires_grad_(False)
+    flashdp.make_private(model, mode="bk", max_grad_norm=1.0).detach()
+
+
+def test_register_rule_then_exact():
+    """A user rule for a custom layer, by type; then the engine is exact on it."""
+    from tests.oracle import check_against_oracle
+    from tests.strategies import per_sample_loss
+
+    class Gain(Scale):
+        pass
+
+    def gain_grads(module, inputs, grad_output, trainable):
+        (x,) = inputs
+        return {"gain": (x * grad_output).reshape(x.shape[0], -1, x.shape[-1]).sum(1)}
+
+    flashdp.register_rule(Gain, gain_grads)
+    model = nn.Sequential(nn.Linear(3, 3), Gain()).double()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 4)
+
+
+def test_register_rule_rejects_non_modules():
+    with pytest.raises(TypeError, match="expected an nn.Module subclass or a predicate"):
+        flashdp.register_rule(int, lambda *a: {})
+    with pytest.raises(TypeError, match="expected an nn.Module subclass or a predicate"):
+        flashdp.register_rule("Linear", lambda *a: {})
+
+
+def test_rule_returning_a_wrong_shape_is_caught():
+    class Odd(Scale):
+        pass
+
+    flashdp.register_rule(Odd, lambda module, inputs, g, trainable: {"gain": torch.zeros(7)})
+    model = Odd()
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as eng:
+        out = model(torch.randn(2, 3))
+        with pytest.raises(FlashDPError, match=r"shape \(7,\) for 'gain'; expected \[B, \*param.shape\] = \(2, 3\)"):
+            eng.backward(out.sum(1))
+
+
+def test_batchnorm_is_refused_with_a_replacement():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    with pytest.raises(FlashDPError, match=r"'1' \(BatchNorm2d\): BatchNorm mixes samples.*GroupNorm"):
+        flashdp.make_private(model, mode="bk", max_grad_norm=1.0)
+
+
+def test_flash_mode_is_refused_until_the_kernels_land():
+    with pytest.raises(FlashDPError, match="mode='flash' needs flashdp's Triton kernels.*mode='bk'"):
+        flashdp.make_private(_mlp(), mode="flash", max_grad_norm=1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"mode": "fast"}, "mode must be one of 'ghost', 'flash', 'bk'. Received 'fast'"),
+        ({"clipping": "layer"}, "clipping must be one of 'flat', 'per_layer', 'automatic'. Received 'layer'"),
+        ({"max_grad_norm": 0.0}, "max_grad_norm must be a positive finite number. Received 0.0"),
+        ({"max_grad_norm": float("inf")}, "max_grad_norm must be a positive finite number"),
+        ({"norm_strategy": "fast"}, "norm_strategy must be one of"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    args = {"mode": "bk", "max_grad_norm": 1.0} | kwargs
+    with pytest.raises(FlashDPError, match=match):
+        flashdp.make_private(_mlp(), **args)
+
+
+def test_not_a_module():
+    with pytest.raises(FlashDPError, match="expects an nn.Module. Received function"):
+        flashdp.make_private(lambda x: x, mode="bk", max_grad_norm=1.0)
+
+
+def test_model_without_trainable_parameters():
+    model = _mlp().requires_grad_(False)
+    with pytest.raises(FlashDPError, match="no trainable parameters"):
+        flashdp.make_private(model, mode="bk", max_grad_norm=1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"sparse": True}, "sparse=True"), ({"scale_grad_by_freq": True}, "scale_grad_by_freq=True .* mixes samples")],
+)
+def test_unsupported_embedding_options(kwargs, match):
+    with pytest.raises(FlashDPError, match=match):
+        flashdp.make_private(nn.Embedding(5, 3, **kwargs), mode="bk", max_grad_norm=1.0)
+
+
+def test_subclass_overriding_forward_is_checked_against_the_rule():
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = Doubled(3, 2)
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0):
+        with pytest.raises(FlashDPError, match=r"'<root>' \(Doubled\) matched rule linear_grads, but its forward"):
+            model(torch.randn(2, 3))
+
+
+def test_subclass_with_the_same_forward_is_accepted():
+    class Renamed(nn.Linear):
+        def forward(self, x):
+            return nn.functional.linear(x, self.weight, self.bias)
+
+    model = Renamed(3, 2)
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as eng:
+        eng.backward(model(torch.randn(2, 3)).sum(1))
+
+
+def test_duck_typed_lookalike_is_caught():
+    class Conv1D(nn.Module):  # HF's name and attributes, another function
+        def __init__(self):
+            super().__init__()
+            self.nf = 2
+            self.weight = nn.Parameter(torch.randn(3, 2))
+            self.bias = nn.Parameter(torch.zeros(2))
+
+        def forward(self, x):
+            return (x @ self.weight).relu() + self.bias
+
+    model = Conv1D()
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0):
+        with pytest.raises(FlashDPError, match="matched rule hf_conv1d_grads, but its forward does not compute"):
+            model(torch.randn(4, 3))
+
+
+def test_in_place_op_that_hides_a_gradient_is_reported():
+    class Sliced(Scale):
+        def forward(self, x):
+            return (x * self.gain)[:, :2]  # a partial view of an internal tensor
+
+    flashdp.register_rule(
+        Sliced, lambda m, inputs, g, trainable: {"gain": nn.functional.pad(inputs[0][:, :2] * g, (0, 1))}
+    )
+    model = Sliced()
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as eng:
+        out = model(torch.randn(2, 3))
+        out.relu_()
+        with pytest.raises(FlashDPError, match=r"output of layer '<root>' \(Sliced\) was modified in place"):
+            eng.backward(out.sum(1))
+
+
+def test_changing_trainable_parameters_after_make_private(engine):
+    model, eng = engine
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(FlashDPError, match="trainable parameters changed since make_private"):
+        eng.backward(model(torch.randn(2, 4)).sum(1))
+
+
+def test_detached_engine_refuses_to_clip():
+    model = _mlp()
+    eng = flashdp.make_private(model, mode="bk", max_grad_norm=1.0)
+    eng.detach()
+    with pytest.raises(FlashDPError, match="detached"):
+        eng.backward(model(torch.randn(2, 4)).sum(1))

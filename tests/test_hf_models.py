@@ -1,0 +1,136 @@
+"""HF transformers models built from configs (no downloads), exact against the oracle."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+from tests.oracle import check_against_oracle
+
+VOCAB, T, B = 37, 6, 3
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[B] mean next-token cross entropy per sequence."""
+    logits, targets = logits[:, :-1], ids[:, 1:]
+    return nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(1)
+
+
+def gpt2(tied: bool = True):
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=16,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=tied,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def llama(tied: bool):
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        tie_word_embeddings=tied,
+    )
+    return LlamaForCausalLM(config)
+
+
+def positions(ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] position ids: each sample looks up its own position embeddings (not one [1, T] lookup broadcast)."""
+    return torch.arange(ids.shape[1]).expand_as(ids)
+
+
+def _check_lm(model, mode, clipping="flat"):
+    model = model.double().eval()  # eval: no dropout; the oracle must see the same function
+    ids = torch.randint(0, VOCAB, (B, T))
+
+    def loss_of(s):
+        return lm_loss(model(ids[s], position_ids=positions(ids[s])).logits, ids[s])
+
+    norms = check_against_oracle(model, loss_of, B, mode=mode, clipping=clipping, rtol=1e-7)
+    return model, norms
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_gpt2_with_tied_head(mode):
+    model, _ = _check_lm(gpt2(), mode)
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_llama(mode, tied):
+    model, _ = _check_lm(llama(tied), mode)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+
+def test_llama_per_layer_clipping():
+    _check_lm(llama(False), "bk", clipping="per_layer")
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_bert_classifier_with_padding_mask(mode):
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
+    model = BertForSequenceClassification(config).double().eval()
+    ids = torch.randint(1, VOCAB, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 4:] = 0
+    labels = torch.tensor([0, 2, 1])
+
+    def loss_of(s):
+        logits = model(input_ids=ids[s], attention_mask=mask[s], position_ids=positions(ids[s])).logits
+        return nn.functional.cross_entropy(logits, labels[s], reduction="none")
+
+    check_against_oracle(model, loss_of, B, mode=mode, rtol=1e-7)
+
+
+def test_broadcast_position_embeddings_are_explained():
+    import flashdp
+    from flashdp import FlashDPError
+
+    model = gpt2()
+    ids = torch.randint(0, VOCAB, (B, T))
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as engine:
+        loss = lm_loss(model(ids).logits, ids)  # HF looks up wpe with position_ids of shape [1, T]
+        with pytest.raises(
+            FlashDPError, match=r"'transformer.wpe' \(Embedding\) was called on a batch of 1.*position_ids"
+        ):
+            engine.backward(loss)
+
+
+def test_hf_model_keeps_working_after_make_private():
+    import flashdp
+
+    model = gpt2().eval()
+    keys = list(model.state_dict())
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0):
+        out = model.generate(torch.randint(0, VOCAB, (1, 3)), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert out.shape == (1, 6)
+        assert isinstance(model, GPT2LMHeadModel) and list(model.state_dict()) == keys

@@ -90,6 +90,6 @@ def check_against_oracle(
     for name, expected in expected_sums.items():
         scale = float(expected.abs().max()) if expected.numel() else 0.0
         torch.testing.assert_close(
-            got[name], expected, rtol=rtol, atol=rtol * (1 + scale), msg=lambda m: f"{name}: {m}"
+            got[name], expected, rtol=rtol, atol=rtol * (1 + scale), msg=lambda m, name=name: f"{name}: {m}"
         )
     return norms

@@ -131,9 +131,9 @@ def test_register_rule_then_exact():
 
 
 def test_register_rule_rejects_non_modules():
-    with pytest.raises(TypeError, match="expected an nn.Module subclass or a predicate"):
+    with pytest.raises(TypeError, match=r"expected an nn\.Module subclass or a predicate"):
         flashdp.register_rule(int, lambda *a: {})
-    with pytest.raises(TypeError, match="expected an nn.Module subclass or a predicate"):
+    with pytest.raises(TypeError, match=r"expected an nn\.Module subclass or a predicate"):
         flashdp.register_rule("Linear", lambda *a: {})
 
 
@@ -156,16 +156,16 @@ def test_batchnorm_is_refused_with_a_replacement():
 
 
 def test_flash_mode_is_refused_until_the_kernels_land():
-    with pytest.raises(FlashDPError, match="mode='flash' needs flashdp's Triton kernels.*mode='bk'"):
+    with pytest.raises(FlashDPError, match=r"mode='flash' needs flashdp's Triton kernels.*mode='bk'"):
         flashdp.make_private(_mlp(), mode="flash", max_grad_norm=1.0)
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"mode": "fast"}, "mode must be one of 'ghost', 'flash', 'bk'. Received 'fast'"),
-        ({"clipping": "layer"}, "clipping must be one of 'flat', 'per_layer', 'automatic'. Received 'layer'"),
-        ({"max_grad_norm": 0.0}, "max_grad_norm must be a positive finite number. Received 0.0"),
+        ({"mode": "fast"}, r"mode must be one of 'ghost', 'flash', 'bk'\. Received 'fast'"),
+        ({"clipping": "layer"}, r"clipping must be one of 'flat', 'per_layer', 'automatic'\. Received 'layer'"),
+        ({"max_grad_norm": 0.0}, r"max_grad_norm must be a positive finite number\. Received 0\.0"),
         ({"max_grad_norm": float("inf")}, "max_grad_norm must be a positive finite number"),
         ({"norm_strategy": "fast"}, "norm_strategy must be one of"),
     ],
@@ -177,7 +177,7 @@ def test_bad_arguments(kwargs, match):
 
 
 def test_not_a_module():
-    with pytest.raises(FlashDPError, match="expects an nn.Module. Received function"):
+    with pytest.raises(FlashDPError, match=r"expects an nn\.Module\. Received function"):
         flashdp.make_private(lambda x: x, mode="bk", max_grad_norm=1.0)
 
 
@@ -202,9 +202,11 @@ def test_subclass_overriding_forward_is_checked_against_the_rule():
             return 2 * super().forward(x)
 
     model = Doubled(3, 2)
-    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0):
-        with pytest.raises(FlashDPError, match=r"'<root>' \(Doubled\) matched rule linear_grads, but its forward"):
-            model(torch.randn(2, 3))
+    with (
+        flashdp.make_private(model, mode="bk", max_grad_norm=1.0),
+        pytest.raises(FlashDPError, match=r"'<root>' \(Doubled\) matched rule linear_grads, but its forward"),
+    ):
+        model(torch.randn(2, 3))
 
 
 def test_subclass_with_the_same_forward_is_accepted():
@@ -229,9 +231,11 @@ def test_duck_typed_lookalike_is_caught():
             return (x @ self.weight).relu() + self.bias
 
     model = Conv1D()
-    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0):
-        with pytest.raises(FlashDPError, match="matched rule hf_conv1d_grads, but its forward does not compute"):
-            model(torch.randn(4, 3))
+    with (
+        flashdp.make_private(model, mode="bk", max_grad_norm=1.0),
+        pytest.raises(FlashDPError, match="matched rule hf_conv1d_grads, but its forward does not compute"),
+    ):
+        model(torch.randn(4, 3))
 
 
 def test_in_place_op_that_hides_a_gradient_is_reported():

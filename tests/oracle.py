@@ -81,7 +81,7 @@ def check_against_oracle(
     expected_norms, expected_sums = clip(expected_ps, clipping, c)
     model.zero_grad(set_to_none=True)
     with flashdp.make_private(
-        model, mode=mode, max_grad_norm=c, clipping=clipping, norm_strategy=norm_strategy
+        model, mode=mode, max_grad_norm=c, noise_multiplier=1.0, clipping=clipping, norm_strategy=norm_strategy
     ) as engine:
         norms = engine.backward(loss_of(slice(None)))
     assert norms.dtype == torch.float32 and norms.shape == (batch,) and not norms.requires_grad

@@ -42,7 +42,7 @@ def test_norm_pass_computes_no_parameter_gradient(mode, expected_calls_per_param
     calls = {n: 0 for n, _ in model.named_parameters()}
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _, name=name: calls.__setitem__(name, calls[name] + 1))
-    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0) as engine:
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=1.0) as engine:
         engine.backward(per_sample_loss(model(torch.randn(3, 4, dtype=torch.float64))))
     assert calls == {n: expected_calls_per_param for n in calls}
 
@@ -53,7 +53,7 @@ def test_micro_batches_accumulate_to_the_union_batch(mode):
     x = torch.randn(7, 4, dtype=torch.float64)
     expected_norms, expected = clip(per_sample_grads(model, lambda s: per_sample_loss(model(x[s])), 7), "flat", 0.5)
     model.zero_grad(set_to_none=True)
-    with flashdp.make_private(model, mode=mode, max_grad_norm=0.5) as engine:
+    with flashdp.make_private(model, mode=mode, max_grad_norm=0.5, noise_multiplier=1.0) as engine:
         norms = torch.cat([engine.backward(per_sample_loss(model(x[s]))) for s in (slice(0, 3), slice(3, 7))])
     torch.testing.assert_close(norms.double(), expected_norms, rtol=1e-6, atol=0)
     for name, g in grads_of(model).items():
@@ -64,7 +64,7 @@ def test_micro_batches_accumulate_to_the_union_batch(mode):
 def test_empty_batch_changes_nothing(mode):
     model = _mlp()
     model[0].weight.grad = torch.ones_like(model[0].weight)
-    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0) as engine:
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=1.0) as engine:
         norms = engine.backward(per_sample_loss(model(torch.randn(0, 4, dtype=torch.float64))))
     assert norms.shape == (0,) and norms.dtype == torch.float32
     assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
@@ -117,7 +117,7 @@ def test_bf16_autocast_agrees_with_float32(mode):
 
     def run(autocast: bool):
         model.zero_grad(set_to_none=True)
-        with flashdp.make_private(model, mode=mode, max_grad_norm=0.1) as engine:
+        with flashdp.make_private(model, mode=mode, max_grad_norm=0.1, noise_multiplier=1.0) as engine:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 logits = model(ids)
             loss = nn.functional.cross_entropy(logits.float().transpose(1, 2), ids, reduction="none").mean(1)
@@ -135,7 +135,7 @@ def test_model_is_not_wrapped_and_detach_removes_every_hook():
     model = _mlp()
     keys = list(model.state_dict())
     attributes = {name: set(vars(m)) for name, m in model.named_modules()}
-    engine = flashdp.make_private(model, mode="bk", max_grad_norm=1.0)
+    engine = flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0)
     assert isinstance(model, nn.Sequential) and list(model.state_dict()) == keys
     assert {name: set(vars(m)) for name, m in model.named_modules()} == attributes
     assert all(not hasattr(p, "grad_sample") for p in model.parameters())
@@ -146,14 +146,14 @@ def test_model_is_not_wrapped_and_detach_removes_every_hook():
 
 def test_context_manager_detaches():
     model = _mlp()
-    with flashdp.make_private(model, mode="ghost", max_grad_norm=1.0):
+    with flashdp.make_private(model, mode="ghost", max_grad_norm=1.0, noise_multiplier=1.0):
         pass
     assert not any(m._forward_hooks for m in model.modules())
 
 
 def test_under_no_grad_nothing_is_recorded():
     model = _mlp()
-    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as engine, torch.no_grad():
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0) as engine, torch.no_grad():
         model(torch.randn(2, 4, dtype=torch.float64))
         assert engine._recorder.calls == []
 
@@ -161,7 +161,7 @@ def test_under_no_grad_nothing_is_recorded():
 def test_strategies_follow_the_cost_model_per_batch_shape():
     """The same layer is normed directly for long inputs and by ghost norm for short ones."""
     model = nn.Linear(64, 64)
-    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as engine:
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0) as engine:
         engine.backward(model(torch.randn(2, 4, 64)).sum((1, 2)))
         assert engine.strategies["weight"] == "ghost"
         engine.backward(model(torch.randn(2, 200, 64)).sum((1, 2)))

@@ -15,7 +15,7 @@ def _mlp():
 @pytest.fixture
 def engine():
     model = _mlp()
-    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as eng:
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0) as eng:
         yield model, eng
 
 
@@ -54,7 +54,7 @@ def test_layer_that_folds_the_batch_into_positions_is_caught():
             return self.lin(x.reshape(-1, 4)).view(x.shape[0], -1)
 
     model = Flattening()
-    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as eng:
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0) as eng:
         out = model(torch.randn(3, 5, 4))
         with pytest.raises(FlashDPError, match=r"layer 'lin' \(Linear\) was called on a batch of 15"):
             eng.backward(out.sum(1))
@@ -103,13 +103,13 @@ def test_uncovered_parameter_names_module_type_and_the_fix():
     with pytest.raises(
         FlashDPError, match=r"(?s)'1' \(tests\.test_errors\.Scale\): parameters \['gain'\].*register_rule"
     ):
-        flashdp.make_private(model, mode="bk", max_grad_norm=1.0)
+        flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0)
 
 
 def test_uncovered_parameter_may_be_frozen_instead():
     model = nn.Sequential(nn.Linear(3, 3), Scale())
     model[1].gain.requires_grad_(False)
-    flashdp.make_private(model, mode="bk", max_grad_norm=1.0).detach()
+    flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0).detach()
 
 
 def test_register_rule_then_exact():
@@ -143,7 +143,7 @@ def test_rule_returning_a_wrong_shape_is_caught():
 
     flashdp.register_rule(Odd, lambda module, inputs, g, trainable: {"gain": torch.zeros(7)})
     model = Odd()
-    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as eng:
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0) as eng:
         out = model(torch.randn(2, 3))
         with pytest.raises(FlashDPError, match=r"shape \(7,\) for 'gain'; expected \[B, \*param.shape\] = \(2, 3\)"):
             eng.backward(out.sum(1))
@@ -152,7 +152,7 @@ def test_rule_returning_a_wrong_shape_is_caught():
 def test_batchnorm_is_refused_with_a_replacement():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     with pytest.raises(FlashDPError, match=r"'1' \(BatchNorm2d\): BatchNorm mixes samples.*GroupNorm"):
-        flashdp.make_private(model, mode="bk", max_grad_norm=1.0)
+        flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0)
 
 
 def test_flash_mode_is_refused_until_the_kernels_land():
@@ -171,20 +171,20 @@ def test_flash_mode_is_refused_until_the_kernels_land():
     ],
 )
 def test_bad_arguments(kwargs, match):
-    args = {"mode": "bk", "max_grad_norm": 1.0} | kwargs
+    args = {"mode": "bk", "max_grad_norm": 1.0, "noise_multiplier": 1.0} | kwargs
     with pytest.raises(FlashDPError, match=match):
         flashdp.make_private(_mlp(), **args)
 
 
 def test_not_a_module():
     with pytest.raises(FlashDPError, match=r"expects an nn\.Module\. Received function"):
-        flashdp.make_private(lambda x: x, mode="bk", max_grad_norm=1.0)
+        flashdp.make_private(lambda x: x, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0)
 
 
 def test_model_without_trainable_parameters():
     model = _mlp().requires_grad_(False)
     with pytest.raises(FlashDPError, match="no trainable parameters"):
-        flashdp.make_private(model, mode="bk", max_grad_norm=1.0)
+        flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0)
 
 
 @pytest.mark.parametrize(
@@ -203,7 +203,7 @@ def test_subclass_overriding_forward_is_checked_against_the_rule():
 
     model = Doubled(3, 2)
     with (
-        flashdp.make_private(model, mode="bk", max_grad_norm=1.0),
+        flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0),
         pytest.raises(FlashDPError, match=r"'<root>' \(Doubled\) matched rule linear_grads, but its forward"),
     ):
         model(torch.randn(2, 3))
@@ -215,7 +215,7 @@ def test_subclass_with_the_same_forward_is_accepted():
             return nn.functional.linear(x, self.weight, self.bias)
 
     model = Renamed(3, 2)
-    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as eng:
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0) as eng:
         eng.backward(model(torch.randn(2, 3)).sum(1))
 
 
@@ -232,7 +232,7 @@ def test_duck_typed_lookalike_is_caught():
 
     model = Conv1D()
     with (
-        flashdp.make_private(model, mode="bk", max_grad_norm=1.0),
+        flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0),
         pytest.raises(FlashDPError, match="matched rule hf_conv1d_grads, but its forward does not compute"),
     ):
         model(torch.randn(4, 3))
@@ -247,7 +247,7 @@ def test_in_place_op_that_hides_a_gradient_is_reported():
         Sliced, lambda m, inputs, g, trainable: {"gain": nn.functional.pad(inputs[0][:, :2] * g, (0, 1))}
     )
     model = Sliced()
-    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as eng:
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0) as eng:
         out = model(torch.randn(2, 3))
         out.relu_()
         with pytest.raises(FlashDPError, match=r"output of layer '<root>' \(Sliced\) was modified in place"):
@@ -263,7 +263,7 @@ def test_changing_trainable_parameters_after_make_private(engine):
 
 def test_detached_engine_refuses_to_clip():
     model = _mlp()
-    eng = flashdp.make_private(model, mode="bk", max_grad_norm=1.0)
+    eng = flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0)
     eng.detach()
     with pytest.raises(FlashDPError, match="detached"):
         eng.backward(model(torch.randn(2, 4)).sum(1))

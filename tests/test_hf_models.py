@@ -117,7 +117,7 @@ def test_broadcast_position_embeddings_are_explained():
 
     model = gpt2()
     ids = torch.randint(0, VOCAB, (B, T))
-    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0) as engine:
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0) as engine:
         loss = lm_loss(model(ids).logits, ids)  # HF looks up wpe with position_ids of shape [1, T]
         with pytest.raises(
             FlashDPError, match=r"'transformer.wpe' \(Embedding\) was called on a batch of 1.*position_ids"
@@ -130,7 +130,7 @@ def test_hf_model_keeps_working_after_make_private():
 
     model = gpt2().eval()
     keys = list(model.state_dict())
-    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0):
+    with flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0):
         out = model.generate(torch.randint(0, VOCAB, (1, 3)), max_new_tokens=3, do_sample=False, pad_token_id=0)
         assert out.shape == (1, 6)
         assert isinstance(model, GPT2LMHeadModel) and list(model.state_dict()) == keys

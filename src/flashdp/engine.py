@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from flashdp.clipping import CLIPPING_STYLES, Clipping, clip_coefficients
 from flashdp.errors import FlashDPError
 from flashdp.param_grad import ParamGradient, StrategyChoice
+from flashdp.privacy import Accountant, NoiseSource
+from flashdp.privacy.settings import PrivacySettings, resolve_privacy
 from flashdp.recorder import Call, Recorder
 from flashdp.scan import ModelScan, TrainableParam, scan_model
 
@@ -39,9 +41,14 @@ class DPEngine:
         *,
         mode: Mode,
         max_grad_norm: float,
+        privacy: dict,
+        optimizer: torch.optim.Optimizer | None = None,
         clipping: Clipping = "flat",
         norm_strategy: StrategyChoice = "auto",
+        seed: int | None = None,
+        secure_rng: bool = False,
     ) -> None:
+        """See `make_private`; `privacy` holds its privacy arguments, resolved after the cheap checks."""
         _check_choice("mode", mode, MODES)
         if mode == "flash":
             raise FlashDPError(
@@ -61,6 +68,16 @@ class DPEngine:
         self.norm_strategy = norm_strategy
         self._scan: ModelScan = scan_model(model)
         self._params_by_id: dict[int, TrainableParam] = {id(p.param): p for p in self._scan.params}
+        self.optimizer = optimizer
+        if optimizer is not None:
+            _check_optimizer(optimizer, model)
+        settings: PrivacySettings = resolve_privacy(**privacy)
+        self.noise_multiplier = settings.noise_multiplier
+        self.expected_batch_size = settings.expected_batch_size
+        self.sample_rate = settings.sample_rate
+        self._noise = NoiseSource(seed, secure_rng)
+        self._accountant = Accountant(settings.accountant)
+        self._backward_since_step = False
         self._recorder: Recorder | None = Recorder(self._scan.layers)
         self.strategies: dict[str, str] = {}
 
@@ -81,6 +98,7 @@ class DPEngine:
                 "(not under torch.no_grad()) after make_private and before backward."
             )
         batch = loss.shape[0]
+        self._backward_since_step = True
         if batch == 0:
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
         second_pass = self.mode == "ghost" and self.clipping != "per_layer"
@@ -152,6 +170,77 @@ class DPEngine:
             )
         return [(info[pid], slot) for pid, slot in by_param.items()]
 
+    # -- DP-SGD -------------------------------------------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        """DP-SGD steps taken (and accounted for)."""
+        return self._accountant.steps
+
+    def step(self) -> None:
+        """Noise, averaging and the optimizer step: for every trainable p,
+        `p.grad = (p.grad + N(0, sigma^2 C^2 I)) / expected_batch_size`, then `optimizer.step()`,
+        `optimizer.zero_grad()` and one accountant step."""
+        if self.optimizer is None:
+            raise FlashDPError("engine.step() needs an optimizer: make_private(..., optimizer=opt).")
+        if self.expected_batch_size is None:
+            raise FlashDPError(
+                "engine.step() needs expected_batch_size, the global logical batch size (sample_rate * dataset "
+                "size), to average the noisy sum: make_private(..., expected_batch_size=...)."
+            )
+        if not self._backward_since_step:
+            raise FlashDPError(
+                "engine.step() called with no engine.backward() since the last step: each step must follow at "
+                "least one backward (an empty Poisson batch counts: call backward on its empty loss)."
+            )
+        std = self.noise_multiplier * self.max_grad_norm
+        with torch.no_grad():
+            for tracked in self._scan.params:
+                p = tracked.param
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                if std > 0:
+                    p.grad.add_(self._noise.gaussian(p.shape, std, p.device, p.grad.dtype))
+                p.grad.div_(self.expected_batch_size)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self._accountant.step(self.noise_multiplier, self.sample_rate or 0.0)
+        self._backward_since_step = False
+
+    def epsilon(self, delta: float) -> float:
+        """The epsilon spent so far at this delta (PLD, or RDP when accountant="rdp")."""
+        if self.sample_rate is None:
+            raise FlashDPError(
+                "epsilon() needs the Poisson sampling rate: make_private(..., sample_rate=q), with q = "
+                "expected_batch_size / len(dataset)."
+            )
+        if not (isinstance(delta, int | float) and 0 < delta < 1):
+            raise FlashDPError(f"delta must be in (0, 1), e.g. 1e-5. Received {delta!r}.")
+        return self._accountant.epsilon(float(delta))
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to report the same epsilon and continue the same noise stream."""
+        return {
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "max_grad_norm": self.max_grad_norm,
+            "accountant": self._accountant.state_dict(),
+            "noise": self._noise.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("noise_multiplier", "sample_rate", "max_grad_norm"):
+            if state[key] != getattr(self, key):
+                raise FlashDPError(
+                    f"Cannot resume: the checkpoint has {key}={state[key]!r}, this engine {getattr(self, key)!r}. "
+                    "Build the engine with the settings of the run you resume."
+                )
+        try:
+            self._accountant.load_state_dict(state["accountant"])
+            self._noise.load_state_dict(state["noise"])
+        except ValueError as err:
+            raise FlashDPError(str(err)) from err
+
     # -- lifecycle ----------------------------------------------------------------------------------------
 
     def detach(self) -> None:
@@ -186,6 +275,16 @@ def _check_choice(what: str, value: object, allowed: tuple[str, ...]) -> None:
         raise FlashDPError(f"{what} must be one of {', '.join(map(repr, allowed))}. Received {value!r}.")
 
 
+def _check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in own)
+    if foreign:
+        raise FlashDPError(
+            f"The optimizer holds {foreign} parameter(s) that are not the model's: flashdp clips and noises only "
+            "the model's trainable parameters. Build the optimizer from model.parameters()."
+        )
+
+
 def _check_loss(loss: object) -> Tensor:
     if not isinstance(loss, Tensor):
         raise FlashDPError(f"engine.backward expects a tensor of per-sample losses. Received {type(loss).__name__}.")
@@ -217,16 +316,57 @@ def make_private(
     *,
     mode: Mode = "bk",
     max_grad_norm: float,
+    noise_multiplier: float | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    expected_batch_size: int | None = None,
+    sample_rate: float | None = None,
     clipping: Clipping = "flat",
+    target_epsilon: float | None = None,
+    target_delta: float | None = None,
+    steps: int | None = None,
+    epochs: float | None = None,
+    accountant: str = "pld",
+    seed: int | None = None,
+    secure_rng: bool = False,
     norm_strategy: StrategyChoice = "auto",
 ) -> DPEngine:
-    """Attach per-sample clipping to `model` (not wrapped: its state_dict, type and methods are unchanged).
+    """Make training of `model` differentially private. The model is not wrapped: its state_dict, type and
+    methods are unchanged; `engine.detach()` removes every hook.
 
     Args:
         mode: "bk" (one backward pass), "ghost" (two passes) or "flash" (Triton kernels).
-        max_grad_norm: C, the clipping bound.
-        clipping: "flat", "per_layer" (each layer to C / sqrt(#layers)) or "automatic" (C / (||g|| + 0.01)).
+        max_grad_norm: C, the per-sample clipping bound.
+        noise_multiplier: sigma, the noise std in units of C. Or None, with target_epsilon, target_delta,
+            sample_rate and steps (or epochs): sigma is then calibrated so the final epsilon is at most the target.
+        optimizer: any torch optimizer over the model's parameters; needed by `engine.step()`.
+        expected_batch_size: the GLOBAL logical batch size (all ranks, all micro-batches of one step).
+        sample_rate: Poisson sampling rate q, for accounting.
+        clipping: "flat", "per_layer" (layer l clipped to C / sqrt(#layers)) or "automatic" (C / (||g|| + 0.01)).
+        accountant: "pld" (tight, default) or "rdp".
+        seed: makes the noise reproducible; NOT private (whoever knows it can remove the noise). Default: seeded
+            from OS entropy.
+        secure_rng: draw the noise from the OS CSPRNG instead of torch's generator (slower).
         norm_strategy: "auto" picks, per layer and batch shape, the cheaper exact norm of a weight; "ghost" or
             "direct" force one (for benchmarks and tests).
     """
-    return DPEngine(model, mode=mode, max_grad_norm=max_grad_norm, clipping=clipping, norm_strategy=norm_strategy)
+    privacy = {
+        "noise_multiplier": noise_multiplier,
+        "expected_batch_size": expected_batch_size,
+        "sample_rate": sample_rate,
+        "target_epsilon": target_epsilon,
+        "target_delta": target_delta,
+        "steps": steps,
+        "epochs": epochs,
+        "accountant": accountant,
+    }
+    return DPEngine(
+        model,
+        mode=mode,
+        max_grad_norm=max_grad_norm,
+        privacy=privacy,
+        optimizer=optimizer,
+        clipping=clipping,
+        norm_strategy=norm_strategy,
+        seed=seed,
+        secure_rng=secure_rng,
+    )

@@ -3,6 +3,9 @@ steps actually taken. PLD by default (tight), RDP as an option."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Literal
 
 import dp_accounting
@@ -10,6 +13,18 @@ from dp_accounting import pld, rdp
 
 AccountantKind = Literal["pld", "rdp"]
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """dp-accounting logs (through absl) every RDP order near 1 it drops for not converging; they are harmless."""
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _fresh(kind: AccountantKind) -> dp_accounting.PrivacyAccountant:
@@ -26,8 +41,9 @@ def epsilon_of(kind: AccountantKind, history: list[tuple[float, float, int]], de
         return 0.0
     events = [dp_accounting.SelfComposedDpEvent(_step_event(s, q), n) for s, q, n in history]
     accountant = _fresh(kind)
-    accountant.compose(dp_accounting.ComposedDpEvent(events))
-    return float(accountant.get_epsilon(delta))
+    with _quiet():
+        accountant.compose(dp_accounting.ComposedDpEvent(events))
+        return float(accountant.get_epsilon(delta))
 
 
 class Accountant:
@@ -78,11 +94,12 @@ def calibrate_noise_multiplier(
         return dp_accounting.SelfComposedDpEvent(_step_event(sigma, sample_rate), steps)
 
     def calibrate(accountant: AccountantKind, bracket, tol: float) -> float:
-        return float(
-            dp_accounting.calibrate_dp_mechanism(
-                lambda: _fresh(accountant), make_event, target_epsilon, target_delta, bracket, tol=tol
+        with _quiet():
+            return float(
+                dp_accounting.calibrate_dp_mechanism(
+                    lambda: _fresh(accountant), make_event, target_epsilon, target_delta, bracket, tol=tol
+                )
             )
-        )
 
     upper = calibrate("rdp", dp_accounting.LowerEndpointAndGuess(1e-2, 1.0), 1e-4)
     if kind == "rdp":

@@ -1,0 +1,34 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   a short private-training run (creates .venv on first use)
+#   make test   the test suite
+# torch is pinned to 2.13.0 first so that pip never pulls a newer CUDA build onto a CPU machine.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install demo test lint format
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[test,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) examples/quickstart.py
+
+test: install
+	$(PY) -m ruff check src tests examples
+	$(PY) -m pytest -q -n 2 -p no:cacheprovider
+
+lint: install
+	$(PY) -m ruff check src tests examples
+	$(PY) -m ruff format --check src tests examples
+
+format: install
+	$(PY) -m ruff format src tests examples

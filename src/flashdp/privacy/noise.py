@@ -67,7 +67,8 @@ def _secure_standard_normal(count: int) -> Tensor:
     """`[count]` float64 standard normals from os.urandom (Box-Muller on 53-bit uniforms)."""
     pairs = (count + 1) // 2
     bits = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64).view(2, pairs)
-    uniform = ((bits >> 11).double() + 0.5) / 2.0**53  # in (0, 1): never log(0)
+    top53 = (bits >> 11) & ((1 << 53) - 1)  # int64 shifts keep the sign: mask to 53 unsigned bits
+    uniform = (top53.double() + 0.5) / 2.0**53  # in (0, 1): never log(0)
     radius = torch.sqrt(-2.0 * torch.log(uniform[0]))
     angle = 2.0 * math.pi * uniform[1]
     return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:count]

@@ -235,11 +235,8 @@ class DPEngine:
                     f"Cannot resume: the checkpoint has {key}={state[key]!r}, this engine {getattr(self, key)!r}. "
                     "Build the engine with the settings of the run you resume."
                 )
-        try:
-            self._accountant.load_state_dict(state["accountant"])
-            self._noise.load_state_dict(state["noise"])
-        except ValueError as err:
-            raise FlashDPError(str(err)) from err
+        self._accountant.load_state_dict(state["accountant"])
+        self._noise.load_state_dict(state["noise"])
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ from typing import Literal
 import dp_accounting
 from dp_accounting import pld, rdp
 
+from flashdp.errors import FlashDPError
+
 AccountantKind = Literal["pld", "rdp"]
 ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp")
 
@@ -76,7 +78,9 @@ class Accountant:
 
     def load_state_dict(self, state: dict) -> None:
         if state["kind"] != self.kind:
-            raise ValueError(f"Cannot resume: the checkpoint used the {state['kind']!r} accountant, not {self.kind!r}.")
+            raise FlashDPError(
+                f"Cannot resume: the checkpoint used the {state['kind']!r} accountant, not {self.kind!r}."
+            )
         self.history = [tuple(entry) for entry in state["history"]]
         self._cache.clear()
 

@@ -9,6 +9,8 @@ import secrets
 import torch
 from torch import Tensor
 
+from flashdp.errors import FlashDPError
+
 
 class NoiseSource:
     """Draws `N(0, std^2)` tensors.
@@ -22,7 +24,7 @@ class NoiseSource:
 
     def __init__(self, seed: int | None = None, secure: bool = False) -> None:
         if secure and seed is not None:
-            raise ValueError("secure_rng=True draws from the OS CSPRNG and cannot be seeded; pass seed=None.")
+            raise FlashDPError("secure_rng=True draws from the OS CSPRNG and cannot be seeded; pass seed=None.")
         self.secure = secure
         self.seed = secrets.randbits(63) if seed is None else int(seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -50,7 +52,7 @@ class NoiseSource:
     def load_state_dict(self, state: dict) -> None:
         if self.secure or state.get("secure"):
             if not (self.secure and state.get("secure")):
-                raise ValueError("Cannot resume: the checkpoint and this engine disagree on secure_rng.")
+                raise FlashDPError("Cannot resume: the checkpoint and this engine disagree on secure_rng.")
             return
         self.seed = state["seed"]
         self._generators = {}

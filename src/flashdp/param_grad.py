@@ -68,7 +68,7 @@ class ParamGradient:
             )
         if self.dense is not None:
             self.strategy = "per-sample"
-            return self.dense.flatten(1).square().sum(1)
+            return outer.sum_of_squares(self.dense)
         return self._factors_norm_sq()
 
     def _factors_norm_sq(self) -> Tensor:
@@ -85,7 +85,7 @@ class ParamGradient:
             strategies.append(strategy)
             if strategy == "direct":
                 self.per_sample = outer.per_sample_blocks(dense, dtype)
-                total += self.per_sample.flatten(1).square().sum(1)
+                total += outer.sum_of_squares(self.per_sample)
                 if tokens is not None:
                     total += 2 * outer.token_inner_with_dense(self.per_sample, tokens, dtype)
             else:

@@ -3,10 +3,22 @@
 Exact per-sample gradient clipping for any nn.Module (ghost and book-keeping engines), noise and accounting.
 """
 
+from flashdp.data import PoissonSampler, micro_batches, poisson_loader
 from flashdp.engine import DPEngine, make_private
 from flashdp.errors import FlashDPError
+from flashdp.losses import per_sample_lm_loss
 from flashdp.rules import register_rule
 
 __version__ = "0.1.0"
 
-__all__ = ["DPEngine", "FlashDPError", "__version__", "make_private", "register_rule"]
+__all__ = [
+    "DPEngine",
+    "FlashDPError",
+    "PoissonSampler",
+    "__version__",
+    "make_private",
+    "micro_batches",
+    "per_sample_lm_loss",
+    "poisson_loader",
+    "register_rule",
+]

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 import secrets
 
 import torch
 from torch import Tensor
 
 from flashdp.errors import FlashDPError
+from flashdp.privacy import csprng
 
 
 class NoiseSource:
@@ -31,7 +31,7 @@ class NoiseSource:
 
     def gaussian(self, shape: torch.Size, std: float, device: torch.device, dtype: torch.dtype) -> Tensor:
         if self.secure:
-            return (_secure_standard_normal(math.prod(shape)) * std).view(shape).to(device=device, dtype=dtype)
+            return (csprng.standard_normal(math.prod(shape)) * std).view(shape).to(device=device, dtype=dtype)
         noise = torch.empty(shape, device=device, dtype=torch.float32 if dtype in _HALF else dtype)
         noise.normal_(0.0, std, generator=self._generator(device))
         return noise.to(dtype)
@@ -63,14 +63,3 @@ class NoiseSource:
 
 
 _HALF = (torch.float16, torch.bfloat16)
-
-
-def _secure_standard_normal(count: int) -> Tensor:
-    """`[count]` float64 standard normals from os.urandom (Box-Muller on 53-bit uniforms)."""
-    pairs = (count + 1) // 2
-    bits = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64).view(2, pairs)
-    top53 = (bits >> 11) & ((1 << 53) - 1)  # int64 shifts keep the sign: mask to 53 unsigned bits
-    uniform = (top53.double() + 0.5) / 2.0**53  # in (0, 1): never log(0)
-    radius = torch.sqrt(-2.0 * torch.log(uniform[0]))
-    angle = 2.0 * math.pi * uniform[1]
-    return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:count]

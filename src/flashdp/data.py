@@ -1,0 +1,145 @@
+"""Poisson sampling for DP-SGD, and splitting one large logical batch into bounded micro-batches."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data._utils.collate import default_collate
+
+from flashdp.errors import FlashDPError
+from flashdp.privacy import csprng
+
+
+class PoissonSampler(Sampler[list[int]]):
+    """Batches of indices in which every example is included independently with probability `sample_rate`.
+
+    Batch sizes vary (and may be 0), as the privacy analysis of Poisson-subsampled DP-SGD requires. With
+    `world_size > 1` each rank samples only its own shard (indices `rank::world_size`) with the same rate, so the
+    union over ranks is one Poisson sample of the whole dataset.
+
+    Args:
+        num_samples: size of the dataset.
+        sample_rate: q in (0, 1].
+        steps: batches per iteration; default one epoch in expectation, `ceil(1 / q)`.
+        seed: seeds the sampling (reproducible, NOT private); default OS entropy.
+        secure_rng: draw from the OS CSPRNG instead (not reproducible).
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        *,
+        steps: int | None = None,
+        seed: int | None = None,
+        secure_rng: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if not 0 < sample_rate <= 1:
+            raise FlashDPError(f"sample_rate must be in (0, 1]. Received {sample_rate!r}.")
+        if not 0 <= rank < world_size:
+            raise FlashDPError(f"rank must be in [0, world_size). Received rank={rank}, world_size={world_size}.")
+        if secure_rng and seed is not None:
+            raise FlashDPError("secure_rng=True samples from the OS CSPRNG and cannot be seeded; pass seed=None.")
+        self.indices = torch.arange(rank, num_samples, world_size)
+        self.sample_rate = sample_rate
+        self.steps = steps if steps is not None else math.ceil(1 / sample_rate)
+        self.secure_rng = secure_rng
+        self.generator = torch.Generator()
+        self.generator.manual_seed(secrets.randbits(63) if seed is None else seed + rank)
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.steps):
+            yield self.indices[self._uniform(len(self.indices)) < self.sample_rate].tolist()
+
+    def _uniform(self, count: int) -> torch.Tensor:
+        if self.secure_rng:
+            return csprng.uniform(count)
+        return torch.rand(count, generator=self.generator, dtype=torch.float64)
+
+
+class EmptyBatchCollate:
+    """Wraps a collate function so that an empty batch gives the same structure with a leading dim of 0."""
+
+    def __init__(self, dataset: Dataset, collate_fn: Callable[[list], Any] = default_collate) -> None:
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list) -> Any:
+        if samples:
+            return self.collate_fn(samples)
+        return _map_tensors(self.collate_fn([self.dataset[0]]), lambda t: t[:0])
+
+
+def poisson_loader(
+    dataset: Dataset,
+    sample_rate: float,
+    *,
+    collate_fn: Callable[[list], Any] = default_collate,
+    steps: int | None = None,
+    seed: int | None = None,
+    secure_rng: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+    **loader_kwargs: Any,
+) -> DataLoader:
+    """A DataLoader of Poisson-sampled batches (see `PoissonSampler`); empty batches keep their structure.
+
+    Give the engine the same rate: `make_private(..., sample_rate=sample_rate,
+    expected_batch_size=round(sample_rate * len(dataset)))`.
+    """
+    if len(dataset) == 0:
+        raise FlashDPError("poisson_loader: the dataset is empty.")
+    sampler = PoissonSampler(
+        len(dataset), sample_rate, steps=steps, seed=seed, secure_rng=secure_rng, rank=rank, world_size=world_size
+    )
+    return DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=EmptyBatchCollate(dataset, collate_fn), **loader_kwargs
+    )
+
+
+def micro_batches(batch: Any, max_size: int) -> Iterator[Any]:
+    """Split a batch (a tensor, or tuples / lists / dicts of tensors sharing the leading dim) into pieces of at
+    most `max_size` samples, so memory stays bounded whatever size the Poisson sampler drew. An empty batch
+    yields itself once, so that `engine.backward` still runs before `engine.step`."""
+    if max_size < 1:
+        raise FlashDPError(f"max_size must be at least 1. Received {max_size!r}.")
+    sizes = {t.shape[0] for t in _tensors(batch)}
+    if len(sizes) != 1:
+        raise FlashDPError(
+            f"micro_batches: every tensor of the batch must share the leading (batch) dim. Received sizes {sizes}."
+        )
+    size = sizes.pop()
+    for start in range(0, max(size, 1), max_size):
+        yield _map_tensors(batch, lambda t, s=start: t[s : s + max_size])
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, Sequence) and not isinstance(batch, str):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return type(batch)((k, _map_tensors(v, fn)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_map_tensors(v, fn) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(_map_tensors(v, fn) for v in batch)
+    return batch

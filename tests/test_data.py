@@ -1,0 +1,100 @@
+"""Poisson sampling and micro-batching."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import flashdp
+from flashdp import FlashDPError, PoissonSampler
+
+
+def test_inclusion_is_independent_with_probability_q():
+    n, q, steps = 2000, 0.03, 400
+    sampler = PoissonSampler(n, q, steps=steps, seed=0)
+    counts = torch.zeros(n)
+    sizes = []
+    for batch in sampler:
+        counts[batch] += 1
+        sizes.append(len(batch))
+    assert len(sizes) == steps
+    assert abs(sum(sizes) / (steps * n) - q) < 0.003
+    # batch sizes vary as Binomial(n, q): variance n q (1 - q)
+    assert abs(torch.tensor(sizes, dtype=torch.float64).var().item() / (n * q * (1 - q)) - 1) < 0.2
+    per_example = counts / steps
+    assert abs(per_example.mean().item() - q) < 0.003 and per_example.std().item() < 0.02
+
+
+def test_default_length_is_one_expected_epoch_and_secure_rng_samples_too():
+    assert len(PoissonSampler(1000, 0.01)) == 100
+    sizes = [len(b) for b in PoissonSampler(1000, 0.1, steps=50, secure_rng=True)]
+    assert 80 < sum(sizes) / 50 < 120
+
+
+def test_ranks_sample_disjoint_shards_that_cover_the_dataset():
+    shards = [PoissonSampler(10, 1.0, steps=1, seed=0, rank=r, world_size=3) for r in range(3)]
+    batches = [next(iter(s)) for s in shards]
+    assert sorted(i for b in batches for i in b) == list(range(10))
+    assert all(set(a).isdisjoint(b) for i, a in enumerate(batches) for b in batches[i + 1 :])
+
+
+def test_loader_turns_empty_batches_into_empty_tensors():
+    dataset = TensorDataset(torch.randn(20, 3, 2), torch.arange(20))
+    loader = flashdp.poisson_loader(dataset, 0.01, steps=30, seed=0)
+    shapes = [(x.shape[1:], y.dtype) for x, y in loader]
+    assert any(True for x, _ in loader if x.shape[0] == 0), "q=0.01 over 20 examples must give empty batches"
+    assert all(s == (torch.Size([3, 2]), torch.int64) for s in shapes)
+
+
+def test_empty_poisson_batch_trains_end_to_end():
+    model = nn.Sequential(nn.Linear(3, 2))
+    engine = flashdp.make_private(
+        model,
+        max_grad_norm=1.0,
+        noise_multiplier=1.0,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        expected_batch_size=1,
+        sample_rate=0.01,
+    )
+    x = torch.zeros(0, 3)
+    for micro in flashdp.micro_batches(x, 4):
+        engine.backward(model(micro).sum(1))
+    engine.step()
+    assert engine.steps == 1
+
+
+def test_micro_batches_split_nested_batches():
+    batch = {"x": torch.randn(7, 2), "pair": (torch.arange(7), [torch.ones(7)])}
+    pieces = list(flashdp.micro_batches(batch, 3))
+    assert [p["x"].shape[0] for p in pieces] == [3, 3, 1]
+    assert torch.equal(torch.cat([p["pair"][0] for p in pieces]), torch.arange(7))
+    assert isinstance(pieces[0]["pair"], tuple) and isinstance(pieces[0]["pair"][1], list)
+
+
+def test_micro_batches_refuse_mismatched_leading_dims_and_bad_sizes():
+    with pytest.raises(FlashDPError, match="share the leading"):
+        list(flashdp.micro_batches((torch.ones(3), torch.ones(4)), 2))
+    with pytest.raises(FlashDPError, match="max_size must be at least 1"):
+        list(flashdp.micro_batches(torch.ones(3), 0))
+
+
+def test_micro_batch_accumulation_then_step_equals_one_step_on_the_union():
+    def run(pieces: int):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+        engine = flashdp.make_private(
+            model,
+            max_grad_norm=0.3,
+            noise_multiplier=0.8,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            expected_batch_size=9,
+            sample_rate=0.1,
+            seed=11,
+        )
+        x = torch.randn(9, 4, generator=torch.Generator().manual_seed(1))
+        for micro in flashdp.micro_batches(x, -(-9 // pieces)):
+            engine.backward(model(micro).square().sum(1))
+        engine.step()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    torch.testing.assert_close(run(3), run(1), rtol=1e-6, atol=1e-7)

@@ -1,5 +1,5 @@
 # Two commands set everything up on a fresh machine:
-#   make demo   a short private-training run (creates .venv on first use)
+#   make demo   private vs non-private training of a small LM on text shipped in the repo (~1 min)
 #   make test   the test suite
 # torch is pinned to 2.13.0 first so that pip never pulls a newer CUDA build onto a CPU machine.
 
@@ -14,13 +14,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e ".[test,dev]"
+	$(PY) -m pip install --quiet -e ".[test,dev,examples]"
 	touch $@
 
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) examples/quickstart.py
+	$(PY) examples/train_lm.py
 
 test: install
 	$(PY) -m ruff check src tests examples

@@ -29,20 +29,32 @@ def _quiet() -> Iterator[None]:
         log.setLevel(level)
 
 
-def _fresh(kind: AccountantKind) -> dp_accounting.PrivacyAccountant:
-    return pld.PLDAccountant() if kind == "pld" else rdp.RdpAccountant()
+#: PLD discretization while calibrating: 10x faster than the default 1e-4 and pessimistic (never below it).
+_SEARCH_DISCRETIZATION = 1e-3
+
+
+def _fresh(kind: AccountantKind, discretization: float | None = None) -> dp_accounting.PrivacyAccountant:
+    if kind == "rdp":
+        return rdp.RdpAccountant()
+    return (
+        pld.PLDAccountant()
+        if discretization is None
+        else pld.PLDAccountant(value_discretization_interval=discretization)
+    )
 
 
 def _step_event(noise_multiplier: float, sample_rate: float) -> dp_accounting.DpEvent:
     return dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier))
 
 
-def epsilon_of(kind: AccountantKind, history: list[tuple[float, float, int]], delta: float) -> float:
+def epsilon_of(
+    kind: AccountantKind, history: list[tuple[float, float, int]], delta: float, discretization: float | None = None
+) -> float:
     """Epsilon after the steps in `history`: runs of (noise_multiplier, sample_rate, steps)."""
     if not history:
         return 0.0
     events = [dp_accounting.SelfComposedDpEvent(_step_event(s, q), n) for s, q, n in history]
-    accountant = _fresh(kind)
+    accountant = _fresh(kind, discretization)
     with _quiet():
         accountant.compose(dp_accounting.ComposedDpEvent(events))
         return float(accountant.get_epsilon(delta))
@@ -88,32 +100,48 @@ class Accountant:
 def calibrate_noise_multiplier(
     kind: AccountantKind, target_epsilon: float, target_delta: float, sample_rate: float, steps: int
 ) -> float:
-    """The smallest sigma (to within 1% of the target epsilon) whose epsilon after `steps` is at most the target.
+    """A sigma whose epsilon after `steps` (with the reporting accountant) lies in [0.99 * target, target].
 
-    RDP brackets the search first (cheap, and never tighter than PLD, so its sigma is a safe upper end); the
-    requested accountant then refines inside that bracket.
+    Bisection on sigma between a bracket found by doubling; PLD searches with a coarser discretization (an upper
+    bound on the reported epsilon), and the result is checked with the reporting accountant.
     """
 
-    def make_event(sigma: float) -> dp_accounting.DpEvent:
-        return dp_accounting.SelfComposedDpEvent(_step_event(sigma, sample_rate), steps)
+    def search_epsilon(sigma: float) -> float:
+        return epsilon_of(kind, [(sigma, sample_rate, steps)], target_delta, _SEARCH_DISCRETIZATION)
 
-    def calibrate(accountant: AccountantKind, bracket, tol: float) -> float:
-        with _quiet():
-            return float(
-                dp_accounting.calibrate_dp_mechanism(
-                    lambda: _fresh(accountant), make_event, target_epsilon, target_delta, bracket, tol=tol
-                )
+    def final_epsilon(sigma: float) -> float:
+        return epsilon_of(kind, [(sigma, sample_rate, steps)], target_delta)
+
+    upper = 1.0
+    while search_epsilon(upper) > target_epsilon:
+        upper *= 2
+        if upper > 1e6:
+            raise FlashDPError(
+                f"No noise multiplier up to 1e6 reaches epsilon {target_epsilon} at delta {target_delta}."
             )
-
-    upper = calibrate("rdp", dp_accounting.LowerEndpointAndGuess(1e-2, 1.0), 1e-4)
-    if kind == "rdp":
-        return upper
     lower = upper / 2
-    while lower > 0.05 and epsilon_of(kind, [(lower, sample_rate, steps)], target_delta) <= target_epsilon:
-        lower /= 2
-    tol = upper * 1e-3
-    while True:
-        sigma = calibrate(kind, dp_accounting.ExplicitBracketInterval(lower, upper), tol)
-        if epsilon_of(kind, [(sigma, sample_rate, steps)], target_delta) >= 0.99 * target_epsilon or tol < 1e-9:
-            return sigma
-        tol /= 10
+    while search_epsilon(lower) <= target_epsilon:
+        upper, lower = lower, lower / 2
+        if lower < 1e-3:
+            raise FlashDPError(
+                f"target_epsilon={target_epsilon} is reached with almost no noise (sigma < 0.001); "
+                "DP-SGD at this epsilon is not meaningful. Lower the target or give noise_multiplier."
+            )
+    for evaluate in (search_epsilon, final_epsilon):
+        upper = _bisect(evaluate, lower, upper, target_epsilon)
+    return upper
+
+
+def _bisect(epsilon, lower: float, upper: float, target: float) -> float:
+    """Shrink [lower, upper], with epsilon(lower) > target >= epsilon(upper), until epsilon(upper) >= 0.99 target."""
+    value = epsilon(upper)
+    for _ in range(60):
+        if value >= 0.99 * target:
+            break
+        middle = (lower + upper) / 2
+        middle_value = epsilon(middle)
+        if middle_value <= target:
+            upper, value = middle, middle_value
+        else:
+            lower = middle
+    return upper

@@ -10,35 +10,31 @@ from flashdp.rules.registry import register_rule
 from flashdp.rules.shapes import positions
 
 
-def _bias(grad_output: Tensor) -> Tensor:
-    """`[B, T, p]` -> `[B, p]`: a bias's per-sample gradient `sum_t g_t`."""
-    return grad_output.sum(1, dtype=torch.promote_types(grad_output.dtype, torch.float32))
-
-
-def linear_grads(
-    module: nn.Linear, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]
+def _linear_grads(
+    x: Tensor, grad_output: Tensor, trainable: frozenset[str], *, transposed: bool, what: str
 ) -> dict[str, PerSampleGrad]:
-    """Weight `[p, d]`: `G_i^T A_i` with A `[B, T, d]`, G `[B, T, p]`; bias `[p]`: `sum_t G_i[t]`."""
-    g = positions(grad_output, "output gradient of nn.Linear")
+    """Weight: `G_i^T A_i` (`[p, d]`), or `A_i^T G_i` (`[d, p]`) when `transposed`; bias `[p]`: `sum_t G_i[t]`.
+
+    A: inputs `[B, T, d]`, G: output gradients `[B, T, p]`, every leading dim but the batch a position.
+    """
+    g = positions(grad_output, f"output gradient of {what}")
     out: dict[str, PerSampleGrad] = {}
     if "weight" in trainable:
-        out["weight"] = OuterGrad(g, positions(inputs[0], "input of nn.Linear"))
+        a = positions(x, f"input of {what}")
+        out["weight"] = OuterGrad(a, g) if transposed else OuterGrad(g, a)
     if "bias" in trainable:
-        out["bias"] = _bias(g)
+        out["bias"] = g.sum(1, dtype=torch.promote_types(g.dtype, torch.float32))
     return out
 
 
-def hf_conv1d_grads(
-    module: nn.Module, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]
-) -> dict[str, PerSampleGrad]:
-    """HF `Conv1D`: weight `[d, p]` gets `A_i^T G_i`; bias as Linear."""
-    g = positions(grad_output, "output gradient of Conv1D")
-    out: dict[str, PerSampleGrad] = {}
-    if "weight" in trainable:
-        out["weight"] = OuterGrad(positions(inputs[0], "input of Conv1D"), g)
-    if "bias" in trainable:
-        out["bias"] = _bias(g)
-    return out
+def linear_grads(module: nn.Linear, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
+    """`nn.Linear`: weight `[p, d]`, bias `[p]`."""
+    return _linear_grads(inputs[0], grad_output, trainable, transposed=False, what="nn.Linear")
+
+
+def hf_conv1d_grads(module: nn.Module, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
+    """HF `Conv1D`: weight `[d, p]` (transposed), bias `[p]`."""
+    return _linear_grads(inputs[0], grad_output, trainable, transposed=True, what="Conv1D")
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:

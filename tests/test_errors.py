@@ -155,9 +155,19 @@ def test_batchnorm_is_refused_with_a_replacement():
         flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0)
 
 
-def test_flash_mode_is_refused_until_the_kernels_land():
-    with pytest.raises(FlashDPError, match=r"mode='flash' needs flashdp's Triton kernels.*mode='bk'"):
-        flashdp.make_private(_mlp(), mode="flash", max_grad_norm=1.0)
+def test_flash_mode_where_triton_cannot_run_suggests_bk(monkeypatch):
+    """Here: no CUDA device; without the interpreter Triton cannot run at all."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(FlashDPError, match=r"mode='flash' needs Triton kernels, which cannot run here: .*mode='bk'"):
+        flashdp.make_private(_mlp(), mode="flash", max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(FlashDPError, match=r"kernels='triton' needs Triton kernels"):
+        flashdp.make_private(_mlp(), mode="bk", kernels="triton", max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def test_flash_mode_with_torch_kernels_is_a_contradiction():
+    with pytest.raises(FlashDPError, match="kernels='torch' contradicts it"):
+        flashdp.make_private(_mlp(), mode="flash", kernels="torch", max_grad_norm=1.0, noise_multiplier=1.0)
 
 
 @pytest.mark.parametrize(
@@ -168,6 +178,7 @@ def test_flash_mode_is_refused_until_the_kernels_land():
         ({"max_grad_norm": 0.0}, r"max_grad_norm must be a positive finite number\. Received 0\.0"),
         ({"max_grad_norm": float("inf")}, "max_grad_norm must be a positive finite number"),
         ({"norm_strategy": "fast"}, "norm_strategy must be one of"),
+        ({"kernels": "cuda"}, "kernels must be one of 'auto', 'triton', 'torch'"),
     ],
 )
 def test_bad_arguments(kwargs, match):

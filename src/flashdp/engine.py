@@ -17,6 +17,8 @@ from torch import Tensor, nn
 
 from flashdp.clipping import CLIPPING_STYLES, Clipping, clip_coefficients
 from flashdp.errors import FlashDPError
+from flashdp.kernels import BACKENDS, Backend, triton_unavailable_reason
+from flashdp.kernels import backend as kernels_backend
 from flashdp.param_grad import ParamGradient, StrategyChoice
 from flashdp.privacy import Accountant, NoiseSource
 from flashdp.privacy.settings import PrivacySettings, resolve_privacy
@@ -47,14 +49,12 @@ class DPEngine:
         norm_strategy: StrategyChoice = "auto",
         seed: int | None = None,
         secure_rng: bool = False,
+        kernels: Backend = "auto",
     ) -> None:
         """See `make_private`; `privacy` holds its privacy arguments, resolved after the cheap checks."""
         _check_choice("mode", mode, MODES)
-        if mode == "flash":
-            raise FlashDPError(
-                "mode='flash' needs flashdp's Triton kernels, which this version does not ship yet. "
-                "Use mode='bk' (one backward pass) or mode='ghost' (two passes)."
-            )
+        _check_choice("kernels", kernels, BACKENDS)
+        self.kernels = _resolve_kernels(mode, kernels)
         _check_choice("clipping", clipping, CLIPPING_STYLES)
         _check_choice("norm_strategy", norm_strategy, NORM_STRATEGIES)
         if not isinstance(model, nn.Module):
@@ -101,12 +101,13 @@ class DPEngine:
         self._backward_since_step = True
         if batch == 0:
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
-        second_pass = self.mode == "ghost" and self.clipping != "per_layer"
+        second_pass = self.mode in ("ghost", "flash") and self.clipping != "per_layer"
         outputs_grads = torch.autograd.grad(
             loss.sum(), [c.edge for c in calls], retain_graph=second_pass, allow_unused=True
         )
-        with torch.no_grad():  # the recorded activations require grad; nothing below is differentiated
-            grads = self._per_sample_gradients(calls, outputs_grads, batch)
+        # the recorded activations require grad; nothing below is differentiated
+        with torch.no_grad(), kernels_backend(self.kernels):
+            grads = self._per_sample_gradients(calls, outputs_grads, batch, keep_for_sum=not second_pass)
             group_norms_sq = torch.zeros(len(self._scan.group_names), batch, dtype=torch.float64, device=loss.device)
             for param, grad in grads:
                 group_norms_sq[param.group] += grad.norm_sq().to(group_norms_sq.dtype)
@@ -121,7 +122,7 @@ class DPEngine:
         return group_norms_sq.sum(0).sqrt().float()
 
     def _per_sample_gradients(
-        self, calls: list[Call], outputs_grads: tuple, batch: int
+        self, calls: list[Call], outputs_grads: tuple, batch: int, keep_for_sum: bool
     ) -> list[tuple[TrainableParam, ParamGradient]]:
         by_param: dict[int, ParamGradient] = {}
         info = self._params_by_id
@@ -161,7 +162,9 @@ class DPEngine:
                 tracked = info[id(param)]
                 slot = by_param.get(id(param))
                 if slot is None:
-                    slot = by_param[id(param)] = ParamGradient(tracked.name, param, batch, self.norm_strategy)
+                    slot = by_param[id(param)] = ParamGradient(
+                        tracked.name, param, batch, self.norm_strategy, keep_for_sum
+                    )
                 slot.add(per_sample[name], layer.label)
         if not by_param:
             raise FlashDPError(
@@ -267,6 +270,22 @@ class DPEngine:
             )
 
 
+def _resolve_kernels(mode: str, requested: str) -> str:
+    """The backend for this engine: flash means Triton kernels; "triton" must be able to run here."""
+    if mode == "flash" and requested == "torch":
+        raise FlashDPError("mode='flash' computes norms with Triton kernels; kernels='torch' contradicts it.")
+    if mode == "flash" or requested == "triton":
+        reason = triton_unavailable_reason()
+        if reason is not None:
+            what = "mode='flash'" if mode == "flash" else "kernels='triton'"
+            raise FlashDPError(
+                f"{what} needs Triton kernels, which cannot run here: {reason}. Use mode='bk' (one backward, "
+                "plain PyTorch) or mode='ghost'."
+            )
+        return "triton"
+    return requested
+
+
 def _check_choice(what: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise FlashDPError(f"{what} must be one of {', '.join(map(repr, allowed))}. Received {value!r}.")
@@ -326,12 +345,14 @@ def make_private(
     seed: int | None = None,
     secure_rng: bool = False,
     norm_strategy: StrategyChoice = "auto",
+    kernels: Backend = "auto",
 ) -> DPEngine:
     """Make training of `model` differentially private. The model is not wrapped: its state_dict, type and
     methods are unchanged; `engine.detach()` removes every hook.
 
     Args:
-        mode: "bk" (one backward pass), "ghost" (two passes) or "flash" (Triton kernels).
+        mode: "bk" (one backward pass), "ghost" (two passes) or "flash" (two passes, norms from Triton kernels
+            that never materialise a per-sample gradient; needs a CUDA device, or TRITON_INTERPRET=1 for tests).
         max_grad_norm: C, the per-sample clipping bound.
         noise_multiplier: sigma, the noise std in units of C. Or None, with target_epsilon, target_delta,
             sample_rate and steps (or epochs): sigma is then calibrated so the final epsilon is at most the target.
@@ -345,6 +366,8 @@ def make_private(
         secure_rng: draw the noise from the OS CSPRNG instead of torch's generator (slower).
         norm_strategy: "auto" picks, per layer and batch shape, the cheaper exact norm of a weight; "ghost" or
             "direct" force one (for benchmarks and tests).
+        kernels: "auto" (Triton on CUDA tensors, PyTorch otherwise), "triton" (everywhere it can run) or
+            "torch" (never). float64 inputs always use PyTorch.
     """
     privacy = {
         "noise_multiplier": noise_multiplier,
@@ -366,4 +389,5 @@ def make_private(
         norm_strategy=norm_strategy,
         seed=seed,
         secure_rng=secure_rng,
+        kernels=kernels,
     )

@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from flashdp import outer
+from flashdp import kernels, outer
 from flashdp.errors import FlashDPError
 from flashdp.rules.grads import OuterGrad, PerSampleGrad, accumulation_dtype
 
@@ -19,14 +19,23 @@ class ParamGradient:
     """Collects a parameter's contributions, then gives `norm_sq()` `[B]` and `clipped_sum(coef)` (param shape).
 
     Between the two it keeps only what the clipped sum needs: the per-sample gradients when the cost model
-    materialised them (direct), else the factors.
+    materialised them (direct, only when `keep_for_sum`: book-keeping), else the factors. Without
+    `keep_for_sum` (ghost, flash) the direct norm comes from a kernel that never materialises them.
     """
 
-    def __init__(self, name: str, param: Tensor, batch_size: int, strategy: StrategyChoice = "auto") -> None:
+    def __init__(
+        self,
+        name: str,
+        param: Tensor,
+        batch_size: int,
+        strategy: StrategyChoice = "auto",
+        keep_for_sum: bool = True,
+    ) -> None:
         self.name = name
         self.shape = param.shape
         self.batch_size = batch_size
         self.strategy_choice = strategy
+        self.keep_for_sum = keep_for_sum
         self.dense: Tensor | None = None  # [B, *shape]
         self.factors: list[OuterGrad] = []
         self.per_sample: Tensor | None = None  # [B * groups, p, d], when direct
@@ -80,7 +89,17 @@ class ParamGradient:
         self.groups = first.groups
         total = first.right.new_zeros(first.right.shape[0], dtype=dtype)
         strategies = []
-        if dense:
+        if dense and tokens is None:
+            strategy = self._choose(dense)
+            strategies.append(strategy)
+            if strategy == "direct" and self.keep_for_sum:
+                self.per_sample = outer.per_sample_blocks(dense, dtype)
+                total += outer.sum_of_squares(self.per_sample)
+            else:
+                left, right = _concat_positions(dense)
+                norm = kernels.outer_direct_norm_sq if strategy == "direct" else kernels.outer_ghost_norm_sq
+                total += norm(left, right).to(dtype)
+        elif dense:  # a table shared with a dense layer (tied embedding): torch, with the cross term
             strategy = self._choose(dense)
             strategies.append(strategy)
             if strategy == "direct":
@@ -113,8 +132,18 @@ class ParamGradient:
         parts = []
         if self.per_sample is not None:
             parts.append(outer.clipped_sum_per_sample(self.per_sample, coef, self.groups))
-        if self.factors:
-            dtype = accumulation_dtype(*(f.right for f in self.factors))
-            parts.append(outer.clipped_sum_factors(self.factors, coef, dtype))
-        total = parts[0] if len(parts) == 1 else parts[0] + parts[1]
-        return total.reshape(self.shape)
+        dense = [f for f in self.factors if not f.is_tokens]
+        if dense:
+            left, right = _concat_positions(dense)
+            parts.append(kernels.clipped_sum(left, right, coef, self.groups))
+        tokens = [f for f in self.factors if f.is_tokens]
+        if tokens:
+            parts.append(outer.clipped_sum_factors(tokens, coef, accumulation_dtype(*(f.right for f in tokens))))
+        return sum(parts[1:], parts[0]).reshape(self.shape)
+
+
+def _concat_positions(blocks: list[OuterGrad]) -> tuple[Tensor, Tensor]:
+    """One (L, R) pair for blocks of a parameter used by several calls: their positions concatenated."""
+    if len(blocks) == 1:
+        return blocks[0].left, blocks[0].right
+    return torch.cat([b.left for b in blocks], dim=1), torch.cat([b.right for b in blocks], dim=1)

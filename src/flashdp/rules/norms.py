@@ -6,10 +6,13 @@ LayerNorm, RMSNorm, GroupNorm, and HF's RMS norms (LlamaRMSNorm, T5LayerNorm, ..
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flashdp import kernels
 from flashdp.rules.grads import accumulation_dtype
 from flashdp.rules.registry import register_rule
 from flashdp.rules.shapes import sum_over_positions
@@ -25,20 +28,30 @@ def _affine_grads(x_hat: Tensor, grad_output: Tensor, param_dims: int, trainable
     return out
 
 
+def _last_dims_grads(
+    x: Tensor, grad_output: Tensor, shape: tuple[int, ...], eps: float, rms: bool, trainable: frozenset[str]
+) -> dict:
+    """x, g `[B, ..., *shape]` normalised over `shape` -> weight and bias `[B, *shape]` (kernel or torch)."""
+    batch, size = x.shape[0], math.prod(shape)
+    weight, bias = kernels.norm_affine_grads(
+        x.reshape(batch, -1, size), grad_output.reshape(batch, -1, size), eps, rms, "bias" in trainable
+    )
+    out = {"weight": weight.view(batch, *shape)} if "weight" in trainable else {}
+    if bias is not None:
+        out["bias"] = bias.view(batch, *shape)
+    return out
+
+
 def layer_norm_grads(module: nn.LayerNorm, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
     """x `[B, ..., *normalized_shape]` -> weight and bias `[B, *normalized_shape]`."""
-    x = inputs[0]
-    shape = module.normalized_shape
-    x_hat = F.layer_norm(x.to(accumulation_dtype(x)), shape, eps=module.eps)
-    return _affine_grads(x_hat, grad_output, len(shape), trainable)
+    return _last_dims_grads(inputs[0], grad_output, module.normalized_shape, module.eps, False, trainable)
 
 
 def rms_norm_grads(module: nn.RMSNorm, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
     """x `[B, ..., *normalized_shape]` -> weight `[B, *normalized_shape]`."""
     x = inputs[0]
     eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
-    x_hat = F.rms_norm(x.to(accumulation_dtype(x)), module.normalized_shape, eps=eps)
-    return _affine_grads(x_hat, grad_output, len(module.normalized_shape), trainable)
+    return _last_dims_grads(x, grad_output, module.normalized_shape, eps, True, trainable)
 
 
 def group_norm_grads(module: nn.GroupNorm, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
@@ -55,7 +68,8 @@ def _hf_rms_x_hat(module: nn.Module, x: Tensor) -> Tensor:
 
 def hf_rms_norm_grads(module: nn.Module, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
     """HF RMS norm over the last dim: weight `[B, d]`."""
-    return _affine_grads(_hf_rms_x_hat(module, inputs[0]), grad_output, 1, trainable)
+    x = inputs[0]
+    return _last_dims_grads(x, grad_output, (x.shape[-1],), module.variance_epsilon, True, trainable)
 
 
 def is_hf_rms_norm(module: nn.Module) -> bool:

@@ -1,0 +1,73 @@
+"""The book-keeping clipped sum `sum_b c_b L_b^T R_b` per group, with c applied inside the GEMM.
+
+L `[B * g, T, p]`, R `[B * g, T, d]` (rows `b * g + j` belong to sample b, group j); out `[g, p, d]` in float32.
+Each tile of L is scaled by its sample's coefficient in registers: no scaled copy of L is written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from flashdp import outer
+from flashdp.kernels.outer_norm import _tile, _upcast
+from flashdp.rules.grads import OuterGrad
+
+
+@triton.jit
+def _clipped_sum_kernel(
+    L, R, C, out, B, G, T, P, D,
+    sln, slt, slp, srn, srt, srd,
+    BT: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    group = tl.program_id(0)
+    ip = tl.program_id(1)
+    idd = tl.program_id(2)
+    rp = ip * BP + tl.arange(0, BP)
+    rd = idd * BD + tl.arange(0, BD)
+    acc = tl.zeros((BP, BD), dtype=tl.float32)
+    for b in range(0, B):
+        coef = tl.load(C + b)
+        row = b * G + group
+        for t0 in range(0, T, BT):
+            rt = t0 + tl.arange(0, BT)
+            left = tl.load(
+                L + row * sln + rt[:, None] * slt + rp[None, :] * slp,
+                mask=(rt[:, None] < T) & (rp[None, :] < P),
+                other=0.0,
+            )
+            right = tl.load(
+                R + row * srn + rt[:, None] * srt + rd[None, :] * srd,
+                mask=(rt[:, None] < T) & (rd[None, :] < D),
+                other=0.0,
+            )
+            if UPCAST:
+                right = right.to(tl.float32)
+            scaled = (left.to(tl.float32) * coef).to(right.dtype)
+            acc += tl.dot(tl.trans(scaled), right, input_precision="ieee")
+    mask = (rp[:, None] < P) & (rd[None, :] < D)
+    tl.store(out + (group * P + rp[:, None]) * D + rd[None, :], acc, mask=mask)
+
+
+def clipped_sum_triton(left: Tensor, right: Tensor, coef: Tensor, groups: int = 1, block: int = 64) -> Tensor:
+    """`[g, p, d]` float32. coef: `[B]` per-sample coefficients."""
+    rows, t, p = left.shape
+    d = right.shape[2]
+    bp, bd, bt = _tile(p, block), _tile(d, block), _tile(t, block)
+    out = torch.full((groups, p, d), float("nan"), device=left.device, dtype=torch.float32)
+    coef = coef.to(device=left.device, dtype=torch.float32).contiguous()
+    grid = (groups, triton.cdiv(p, bp), triton.cdiv(d, bd))
+    _clipped_sum_kernel[grid](
+        left, right, coef, out, rows // groups, groups, t, p, d, *left.stride(), *right.stride(),
+        BT=bt, BP=bp, BD=bd, UPCAST=_upcast(left),
+    )  # fmt: skip
+    return out
+
+
+def clipped_sum_torch(left: Tensor, right: Tensor, coef: Tensor, groups: int = 1) -> Tensor:
+    """Reference: scale a float32 copy of L, one GEMM per group."""
+    return outer.clipped_sum_factors(
+        [OuterGrad(left, right, groups)], coef, torch.promote_types(left.dtype, torch.float32)
+    )

@@ -1,0 +1,68 @@
+"""Per-sample gradients of a LayerNorm / RMSNorm's affine parameters, in one pass over x and g.
+
+x, g `[N, T, D]` (normalised over the last dim D): `dw_n = sum_t x_hat_t * g_t`, `db_n = sum_t g_t`, with
+x_hat = (x - mean) / sqrt(var + eps) (LayerNorm) or x / sqrt(mean(x^2) + eps) (RMS). Statistics in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _norm_affine_kernel(
+    X, G, W, Bias, T, D, eps,
+    sxn, sxt, sxd, sgn, sgt, sgd,
+    RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0)
+    rd = tl.arange(0, BD)
+    dmask = rd < D
+    w_acc = tl.zeros((BD,), dtype=tl.float32)
+    b_acc = tl.zeros((BD,), dtype=tl.float32)
+    for t0 in range(0, T, BT):
+        rt = t0 + tl.arange(0, BT)
+        mask = (rt[:, None] < T) & dmask[None, :]
+        x = tl.load(X + n * sxn + rt[:, None] * sxt + rd[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + n * sgn + rt[:, None] * sgt + rd[None, :] * sgd, mask=mask, other=0.0).to(tl.float32)
+        if RMS:
+            centred = x
+        else:
+            mean = tl.sum(x, axis=1) / D
+            centred = tl.where(mask, x - mean[:, None], 0.0)
+        var = tl.sum(centred * centred, axis=1) / D
+        x_hat = centred * tl.rsqrt(var + eps)[:, None]
+        w_acc += tl.sum(x_hat * g, axis=0)
+        if HAS_BIAS:
+            b_acc += tl.sum(g, axis=0)
+    tl.store(W + n * D + rd, w_acc, mask=dmask)
+    if HAS_BIAS:
+        tl.store(Bias + n * D + rd, b_acc, mask=dmask)
+
+
+def norm_affine_grads_triton(x: Tensor, g: Tensor, eps: float, rms: bool, bias: bool) -> tuple[Tensor, Tensor | None]:
+    """(weight `[N, D]`, bias `[N, D]` or None), float32."""
+    n, t, d = x.shape
+    bd = triton.next_power_of_2(max(d, 1))
+    bt = max(1, min(triton.next_power_of_2(max(t, 1)), 4096 // bd if bd <= 4096 else 1))
+    weight = torch.full((n, d), float("nan"), device=x.device, dtype=torch.float32)
+    bias_out = torch.full((n, d), float("nan"), device=x.device, dtype=torch.float32) if bias else weight
+    if n:
+        _norm_affine_kernel[(n,)](
+            x, g, weight, bias_out, t, d, float(eps), *x.stride(), *g.stride(),
+            RMS=rms, HAS_BIAS=bias, BT=bt, BD=bd,
+        )  # fmt: skip
+    return weight, (bias_out if bias else None)
+
+
+def norm_affine_grads_torch(x: Tensor, g: Tensor, eps: float, rms: bool, bias: bool) -> tuple[Tensor, Tensor | None]:
+    """Reference in float32 (float64 stays float64)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    x = x.to(dtype)
+    x_hat = F.rms_norm(x, x.shape[-1:], eps=eps) if rms else F.layer_norm(x, x.shape[-1:], eps=eps)
+    g = g.to(dtype)
+    return (x_hat * g).sum(1), (g.sum(1) if bias else None)

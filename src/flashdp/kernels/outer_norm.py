@@ -1,0 +1,139 @@
+"""Per-sample squared norms of `g_n = L_n^T R_n` (L `[N, T, p]`, R `[N, T, d]`) without materialising g_n.
+
+- `outer_direct_norm_sq_triton`: tiles of `L^T R` accumulated over T in registers (float32), squared, reduced.
+- `outer_ghost_norm_sq_triton`: `sum_{j <= k} w_jk <L_j L_k^T, R_j R_k^T>` over pairs of T tiles (w = 2 off the
+  diagonal); no T x T matrix beyond one tile pair.
+Both write per-program partials that torch sums in a fixed order (deterministic, no atomics). Each has its torch
+reference beside it; tests hold them together.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from flashdp import outer
+from flashdp.kernels.runtime import interpreter
+from flashdp.rules.grads import OuterGrad
+
+
+def _tile(size: int, limit: int) -> int:
+    return max(16, min(limit, triton.next_power_of_2(max(size, 1))))
+
+
+@triton.jit
+def _outer_direct_norm_kernel(
+    L, R, partial, T, P, D,
+    sln, slt, slp, srn, srt, srd,
+    BT: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0)
+    ip = tl.program_id(1)
+    idd = tl.program_id(2)
+    rp = ip * BP + tl.arange(0, BP)
+    rd = idd * BD + tl.arange(0, BD)
+    acc = tl.zeros((BP, BD), dtype=tl.float32)
+    for t0 in range(0, T, BT):
+        rt = t0 + tl.arange(0, BT)
+        left = tl.load(
+            L + n * sln + rt[:, None] * slt + rp[None, :] * slp, mask=(rt[:, None] < T) & (rp[None, :] < P), other=0.0
+        )
+        right = tl.load(
+            R + n * srn + rt[:, None] * srt + rd[None, :] * srd, mask=(rt[:, None] < T) & (rd[None, :] < D), other=0.0
+        )
+        if UPCAST:
+            left = left.to(tl.float32)
+            right = right.to(tl.float32)
+        acc += tl.dot(tl.trans(left), right, input_precision="ieee")
+    total = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
+    tl.store(partial + (n * tl.num_programs(1) + ip) * tl.num_programs(2) + idd, total)
+
+
+def outer_direct_norm_sq_triton(left: Tensor, right: Tensor, block: int = 64) -> Tensor:
+    """`[N]` float32 `||L_n^T R_n||_F^2`. left `[N, T, p]`, right `[N, T, d]` (any strides)."""
+    n, t, p = left.shape
+    d = right.shape[2]
+    bp, bd, bt = _tile(p, block), _tile(d, block), _tile(t, block)
+    grid = (n, triton.cdiv(p, bp), triton.cdiv(d, bd))
+    partial = torch.full(grid, float("nan"), device=left.device, dtype=torch.float32)
+    if n:
+        _outer_direct_norm_kernel[grid](
+            left, right, partial, t, p, d, *left.stride(), *right.stride(),
+            BT=bt, BP=bp, BD=bd, UPCAST=_upcast(left),
+        )  # fmt: skip
+    return partial.sum((1, 2))
+
+
+def outer_direct_norm_sq_torch(left: Tensor, right: Tensor) -> Tensor:
+    """Reference: materialise `L_n^T R_n` in float32 (float64 stays float64)."""
+    return outer.sum_of_squares(outer.per_sample_blocks([OuterGrad(left, right)], _acc(left)))
+
+
+@triton.jit
+def _gram_tile(X, n, sxn, sxt, sxk, rj, rk, T, K, BT: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+    """`[BT, BT]` Gram matrix `X_j X_k^T` of two T tiles of one row, accumulated over K in chunks of BK."""
+    gram = tl.zeros((BT, BT), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rc = k0 + tl.arange(0, BK)
+        xj = tl.load(
+            X + n * sxn + rj[:, None] * sxt + rc[None, :] * sxk, mask=(rj[:, None] < T) & (rc[None, :] < K), other=0.0
+        )
+        xk = tl.load(
+            X + n * sxn + rk[:, None] * sxt + rc[None, :] * sxk, mask=(rk[:, None] < T) & (rc[None, :] < K), other=0.0
+        )
+        if UPCAST:
+            xj = xj.to(tl.float32)
+            xk = xk.to(tl.float32)
+        gram += tl.dot(xj, tl.trans(xk), input_precision="ieee")
+    return gram
+
+
+@triton.jit
+def _outer_ghost_norm_kernel(
+    L, R, pairs, partial, T, P, D,
+    sln, slt, slp, srn, srt, srd,
+    BT: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0)
+    pair = tl.program_id(1)
+    j = tl.load(pairs + 2 * pair)
+    k = tl.load(pairs + 2 * pair + 1)
+    rj = j * BT + tl.arange(0, BT)
+    rk = k * BT + tl.arange(0, BT)
+    gram_left = _gram_tile(L, n, sln, slt, slp, rj, rk, T, P, BT, BK, UPCAST)
+    gram_right = _gram_tile(R, n, srn, srt, srd, rj, rk, T, D, BT, BK, UPCAST)
+    weight = tl.where(j == k, 1.0, 2.0)
+    total = tl.sum(tl.sum(gram_left * gram_right, axis=1), axis=0) * weight
+    tl.store(partial + n * tl.num_programs(1) + pair, total)
+
+
+def outer_ghost_norm_sq_triton(left: Tensor, right: Tensor, tile: int = 64, chunk: int = 64) -> Tensor:
+    """`[N]` float32 `||L_n^T R_n||_F^2` from Gram matrices of T tiles (pairs j <= k)."""
+    n, t, p = left.shape
+    d = right.shape[2]
+    bt = _tile(t, tile)
+    tiles = triton.cdiv(t, bt)
+    pairs = torch.triu_indices(tiles, tiles).T.contiguous().to(device=left.device, dtype=torch.int32)
+    partial = torch.full((n, len(pairs)), float("nan"), device=left.device, dtype=torch.float32)
+    if n:
+        _outer_ghost_norm_kernel[(n, len(pairs))](
+            left, right, pairs, partial, t, p, d, *left.stride(), *right.stride(),
+            BT=bt, BK=_tile(max(p, d), chunk), UPCAST=_upcast(left),
+        )  # fmt: skip
+    return partial.sum(1)
+
+
+def outer_ghost_norm_sq_torch(left: Tensor, right: Tensor, tile: int | None = None) -> Tensor:
+    """Reference: tiled Gram matrices in float32 (float64 stays float64)."""
+    return outer.ghost_norm_sq([OuterGrad(left, right)], _acc(left), tile)
+
+
+def _upcast(x: Tensor) -> bool:
+    """The interpreter multiplies half-precision tiles wrongly in tl.dot: cast them to float32 there."""
+    return interpreter()
+
+
+def _acc(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)

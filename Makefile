@@ -23,11 +23,11 @@ demo: install
 	$(PY) examples/train_lm.py
 
 test: install
-	$(PY) -m ruff check src tests examples
+	$(PY) -m ruff check src tests examples benchmarks
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider
 
 lint: install
-	$(PY) -m ruff check src tests examples
+	$(PY) -m ruff check src tests examples benchmarks
 	$(PY) -m ruff format --check src tests examples
 
 format: install

@@ -91,7 +91,10 @@ def main() -> None:
             steps[m](ids)
             times[m].append(time.perf_counter() - start)
     base = statistics.median(times[modes[0]])
-    print(f"T={args.seq} B={args.batch} d={args.d} layers={args.layers} vocab={args.vocab} threads={torch.get_num_threads()}")
+    print(
+        f"T={args.seq} B={args.batch} d={args.d} layers={args.layers} vocab={args.vocab} "
+        f"threads={torch.get_num_threads()}"
+    )
     for m in modes:
         median = statistics.median(times[m])
         engine = getattr(steps[m], "engine", None)

@@ -1,0 +1,179 @@
+"""GPU check and benchmark of flashdp's Triton kernels (needs a CUDA device).
+
+    python benchmarks/gpu/kernels.py              # correctness, kernel timings, full steps
+    python benchmarks/gpu/kernels.py --quick      # fewer shapes
+
+1. Correctness: every kernel against float64, in float32 and bfloat16 (error at most 2x plain PyTorch's).
+2. Per-layer timings at Llama-8B shapes (d = 4096, p in {4096, 14336}, T in {512, 2048, 4096, 8192},
+   B in {1, 2, 4}, bf16) with triton.testing.do_bench: the direct and ghost norm kernels against
+   (a) materialising per-sample gradients with einsum, (b) ghost norm with full T x T Gram matrices (as Opacus),
+   (c) the layer's own non-private backward (dX and dW GEMMs); TFLOP/s of the direct kernel vs the dW GEMM.
+3. A full training step of a Llama-like model (d = 2048, 16 layers, T = 2048, bf16): non-private vs flash vs bk,
+   time and peak memory.
+Prints markdown tables for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def check_kernels() -> None:
+    from flashdp.kernels import bk_sum, norm_affine, outer_norm
+
+    torch.manual_seed(0)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        left = torch.randn(3, 777, 300, device="cuda").to(dtype)
+        right = torch.randn(3, 777, 211, device="cuda").to(dtype)
+        coef = torch.rand(3, device="cuda")
+        exact = outer_norm.outer_direct_norm_sq_torch(left.double(), right.double())
+        for name, kernel, reference in [
+            ("direct norm", outer_norm.outer_direct_norm_sq_triton, outer_norm.outer_direct_norm_sq_torch),
+            ("ghost norm", outer_norm.outer_ghost_norm_sq_triton, outer_norm.outer_ghost_norm_sq_torch),
+        ]:
+            rows.append((name, dtype, _rel(kernel(left, right), exact), _rel(reference(left, right), exact)))
+        exact_sum = bk_sum.clipped_sum_torch(left.double(), right.double(), coef.double())
+        rows.append(
+            ("clipped sum", dtype, _rel(bk_sum.clipped_sum_triton(left, right, coef), exact_sum),
+             _rel(bk_sum.clipped_sum_torch(left, right, coef), exact_sum))
+        )  # fmt: skip
+        x, g = left[:, :, :256] * 3 + 1, right[:, :, :1].expand(-1, -1, 256).contiguous()
+        exact_w, _ = norm_affine.norm_affine_grads_torch(x.double(), g.double(), 1e-5, False, True)
+        got_w, _ = norm_affine.norm_affine_grads_triton(x, g, 1e-5, False, True)
+        ref_w, _ = norm_affine.norm_affine_grads_torch(x, g, 1e-5, False, True)
+        rows.append(("layernorm affine", dtype, _rel(got_w, exact_w), _rel(ref_w, exact_w)))
+    print("| kernel | dtype | rel. error vs float64 | PyTorch's | ok (<= 2x + 1e-6) |\n|---|---|---|---|---|")
+    for name, dtype, err, ref in rows:
+        print(f"| {name} | {str(dtype)[6:]} | {err:.2e} | {ref:.2e} | {err <= 2 * ref + 1e-6} |")
+
+
+def _rel(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((got.double() - exact).norm() / exact.norm()).item()
+
+
+def time_layers(quick: bool) -> None:
+    d = 4096
+    ps = (4096,) if quick else (4096, 14336)
+    ts = (512, 2048) if quick else (512, 2048, 4096, 8192)
+    bs = (1, 4) if quick else (1, 2, 4)
+    print(
+        "\n| p | T | B | direct kernel | ghost kernel | einsum per-sample | full-Gram ghost | non-private bwd (dX+dW) "
+        "| direct TFLOP/s | dW GEMM TFLOP/s |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    for p in ps:
+        for t in ts:
+            for b in bs:
+                print(_time_layer(b, t, p, d))
+
+
+def _time_layer(b: int, t: int, p: int, d: int) -> str:
+    from triton.testing import do_bench
+
+    from flashdp.kernels import outer_norm
+
+    weight = torch.randn(p, d, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(b, t, d, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(b, t, p, device="cuda", dtype=torch.bfloat16)
+    g2, a2 = g.view(-1, p), a.view(-1, d)
+    direct = do_bench(lambda: outer_norm.outer_direct_norm_sq_triton(g, a))
+    ghost = do_bench(lambda: outer_norm.outer_ghost_norm_sq_triton(g, a))
+    einsum = _maybe(lambda: do_bench(lambda: torch.einsum("btp,btd->bpd", g, a).float().square().sum((1, 2))))
+    full_gram = _maybe(
+        lambda: do_bench(lambda: ((a @ a.transpose(1, 2)).float() * (g @ g.transpose(1, 2)).float()).sum((1, 2)))
+    )
+    backward = do_bench(lambda: (g2 @ weight, g2.T @ a2))
+    dw = do_bench(lambda: g2.T @ a2)
+    flops = 2 * b * t * p * d
+    return (
+        f"| {p} | {t} | {b} | {direct:.2f} ms | {ghost:.2f} ms | {einsum} | {full_gram} | {backward:.2f} ms "
+        f"| {flops / direct / 1e9:.0f} | {flops / dw / 1e9:.0f} |"
+    )
+
+
+def _maybe(run) -> str:
+    try:
+        return f"{run():.2f} ms"
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return "OOM"
+
+
+def time_steps(quick: bool) -> None:
+    from transformers import LlamaConfig
+
+    layers, t, b = (4, 1024, 2) if quick else (16, 2048, 2)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        max_position_embeddings=t,
+        tie_word_embeddings=False,
+    )
+    ids = torch.randint(0, 32000, (b, t), device="cuda")
+    print(f"\n| mode (Llama-like d=2048, {layers} layers, T={t}, B={b}, bf16) | step time | tokens/s | peak memory |")
+    print("|---|---|---|---|")
+    base = None
+    for mode in ("non-private", "bk", "flash"):
+        ms, peak = _time_step(mode, config, ids)
+        base = base or (ms, peak)
+        print(
+            f"| {mode} | {ms:.0f} ms ({ms / base[0]:.2f}x) | {ids.numel() / ms * 1e3:.0f} | {peak:.1f} GiB "
+            f"({peak / base[1]:.2f}x) |"
+        )
+        torch.cuda.empty_cache()
+
+
+def _time_step(mode: str, config, ids: torch.Tensor) -> tuple[float, float]:
+    """(median step time in ms, peak GiB allocated) of one training step."""
+    from transformers import LlamaForCausalLM
+    from triton.testing import do_bench
+
+    import flashdp
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).cuda().bfloat16()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    engine = None
+    if mode != "non-private":
+        engine = flashdp.make_private(
+            model, mode=mode, max_grad_norm=1.0, noise_multiplier=1.0, optimizer=opt,
+            expected_batch_size=len(ids), sample_rate=0.01,
+        )  # fmt: skip
+
+    def step() -> None:
+        loss = flashdp.per_sample_lm_loss(model(ids).logits, ids)
+        if engine is None:
+            loss.mean().backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            engine.backward(loss)
+            engine.step()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ms = do_bench(step, warmup=1, rep=5)
+    return ms, torch.cuda.max_memory_allocated() / 2**30
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/gpu/kernels.py needs a CUDA device; the kernels are tested on CPU by `make test`.")
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    check_kernels()
+    time_layers(args.quick)
+    time_steps(args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -109,8 +109,9 @@ def test_forward_without_backward_does_not_disturb_the_next_step():
     check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 3)
 
 
-@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("mode", ["bk", "ghost", "flash"])
 def test_bf16_autocast_agrees_with_float32(mode):
+    """Under autocast the kernels (flash) see bf16 activations and output gradients."""
     torch.manual_seed(1)
     model = nn.Sequential(nn.Embedding(20, 16), nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 20))
     ids = torch.randint(0, 20, (4, 12))

@@ -98,3 +98,13 @@ def test_flash_matches_oracle_on_a_grouped_conv():
     with launches() as counts:
         check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 3, mode="flash", rtol=2e-4)
     assert counts["outer_direct_norm_sq_triton"] + counts["outer_ghost_norm_sq_triton"] == 2
+
+
+@given(batch=batches, strategy=norm_strategies)
+def test_flash_matches_oracle_on_4d_inputs(batch, strategy):
+    """[B, H, W, d] inputs: every leading dim but the batch is a position."""
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    x = torch.randn(batch, 2, 3, 5)
+    check_against_oracle(
+        model, lambda s: per_sample_loss(model(x[s])), batch, mode="flash", norm_strategy=strategy, rtol=2e-4
+    )

@@ -12,7 +12,7 @@ import triton.language as tl
 from torch import Tensor
 
 from flashdp import outer
-from flashdp.kernels.outer_norm import _tile, _upcast
+from flashdp.kernels.outer_norm import _tile, _upcast, load_tile
 from flashdp.rules.grads import OuterGrad
 
 
@@ -33,19 +33,9 @@ def _clipped_sum_kernel(
         row = b * G + group
         for t0 in range(0, T, BT):
             rt = t0 + tl.arange(0, BT)
-            left = tl.load(
-                L + row * sln + rt[:, None] * slt + rp[None, :] * slp,
-                mask=(rt[:, None] < T) & (rp[None, :] < P),
-                other=0.0,
-            )
-            right = tl.load(
-                R + row * srn + rt[:, None] * srt + rd[None, :] * srd,
-                mask=(rt[:, None] < T) & (rd[None, :] < D),
-                other=0.0,
-            )
-            if UPCAST:
-                right = right.to(tl.float32)
-            scaled = (left.to(tl.float32) * coef).to(right.dtype)
+            left = load_tile(L, row, sln, slt, slp, rt, rp, T, P, True)
+            right = load_tile(R, row, srn, srt, srd, rt, rd, T, D, UPCAST)
+            scaled = (left * coef).to(right.dtype)  # c applied in registers: no scaled copy of L
             acc += tl.dot(tl.trans(scaled), right, input_precision="ieee")
     mask = (rp[:, None] < P) & (rd[None, :] < D)
     tl.store(out + (group * P + rp[:, None]) * D + rd[None, :], acc, mask=mask)

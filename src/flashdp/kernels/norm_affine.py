@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from flashdp.kernels.outer_norm import load_tile
+
 
 @triton.jit
 def _norm_affine_kernel(
@@ -27,8 +29,8 @@ def _norm_affine_kernel(
     for t0 in range(0, T, BT):
         rt = t0 + tl.arange(0, BT)
         mask = (rt[:, None] < T) & dmask[None, :]
-        x = tl.load(X + n * sxn + rt[:, None] * sxt + rd[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(G + n * sgn + rt[:, None] * sgt + rd[None, :] * sgd, mask=mask, other=0.0).to(tl.float32)
+        x = load_tile(X, n, sxn, sxt, sxd, rt, rd, T, D, True)
+        g = load_tile(G, n, sgn, sgt, sgd, rt, rd, T, D, True)
         if RMS:
             centred = x
         else:

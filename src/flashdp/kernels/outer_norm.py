@@ -24,6 +24,16 @@ def _tile(size: int, limit: int) -> int:
 
 
 @triton.jit
+def load_tile(X, row, s_row, s_pos, s_col, positions, columns, T, K, UPCAST: tl.constexpr):
+    """`[len(positions), len(columns)]` tile of row `row` of X `[N, T, K]` (zeros outside), float32 if UPCAST."""
+    mask = (positions[:, None] < T) & (columns[None, :] < K)
+    tile = tl.load(X + row * s_row + positions[:, None] * s_pos + columns[None, :] * s_col, mask=mask, other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
 def _outer_direct_norm_kernel(
     L, R, partial, T, P, D,
     sln, slt, slp, srn, srt, srd,
@@ -37,15 +47,8 @@ def _outer_direct_norm_kernel(
     acc = tl.zeros((BP, BD), dtype=tl.float32)
     for t0 in range(0, T, BT):
         rt = t0 + tl.arange(0, BT)
-        left = tl.load(
-            L + n * sln + rt[:, None] * slt + rp[None, :] * slp, mask=(rt[:, None] < T) & (rp[None, :] < P), other=0.0
-        )
-        right = tl.load(
-            R + n * srn + rt[:, None] * srt + rd[None, :] * srd, mask=(rt[:, None] < T) & (rd[None, :] < D), other=0.0
-        )
-        if UPCAST:
-            left = left.to(tl.float32)
-            right = right.to(tl.float32)
+        left = load_tile(L, n, sln, slt, slp, rt, rp, T, P, UPCAST)
+        right = load_tile(R, n, srn, srt, srd, rt, rd, T, D, UPCAST)
         acc += tl.dot(tl.trans(left), right, input_precision="ieee")
     total = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
     tl.store(partial + (n * tl.num_programs(1) + ip) * tl.num_programs(2) + idd, total)
@@ -77,15 +80,8 @@ def _gram_tile(X, n, sxn, sxt, sxk, rj, rk, T, K, BT: tl.constexpr, BK: tl.const
     gram = tl.zeros((BT, BT), dtype=tl.float32)
     for k0 in range(0, K, BK):
         rc = k0 + tl.arange(0, BK)
-        xj = tl.load(
-            X + n * sxn + rj[:, None] * sxt + rc[None, :] * sxk, mask=(rj[:, None] < T) & (rc[None, :] < K), other=0.0
-        )
-        xk = tl.load(
-            X + n * sxn + rk[:, None] * sxt + rc[None, :] * sxk, mask=(rk[:, None] < T) & (rc[None, :] < K), other=0.0
-        )
-        if UPCAST:
-            xj = xj.to(tl.float32)
-            xk = xk.to(tl.float32)
+        xj = load_tile(X, n, sxn, sxt, sxk, rj, rc, T, K, UPCAST)
+        xk = load_tile(X, n, sxn, sxt, sxk, rk, rc, T, K, UPCAST)
         gram += tl.dot(xj, tl.trans(xk), input_precision="ieee")
     return gram
 

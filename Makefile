@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test lint format
+.PHONY: install demo test lint format bench docs
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,3 +32,7 @@ lint: install
 
 format: install
 	$(PY) -m ruff format src tests examples
+
+bench: install
+	$(PY) -m pip install --quiet opacus
+	$(PY) benchmarks/run.py

@@ -108,6 +108,9 @@ class DPEngine:
         # the recorded activations require grad; nothing below is differentiated
         with torch.no_grad(), kernels_backend(self.kernels):
             grads = self._per_sample_gradients(calls, outputs_grads, batch, keep_for_sum=not second_pass)
+            # From here on only the ParamGradients hold activations and output gradients, each just until its
+            # norm no longer needs them (a directly-normed layer keeps only its per-sample gradient).
+            del calls, outputs_grads
             group_norms_sq = torch.zeros(len(self._scan.group_names), batch, dtype=torch.float64, device=loss.device)
             for param, grad in grads:
                 group_norms_sq[param.group] += grad.norm_sq().to(group_norms_sq.dtype)

@@ -1,0 +1,62 @@
+"""pytest-benchmark micro-benchmarks: one layer's per-sample norms (and clipped sum), by implementation, over T.
+
+    pytest benchmarks/test_micro.py      (benchmarks/run.py folds the results into the CSV)
+
+On CPU the torch references run; the Triton kernels join on a GPU (under the interpreter they measure nothing).
+"""
+
+import pytest
+import torch
+
+from flashdp import outer
+from flashdp.kernels import bk_sum, outer_norm
+from flashdp.rules.grads import OuterGrad
+
+D = P = 256
+BATCH = 4
+IMPLS = ["torch"] + (["triton"] if torch.cuda.is_available() else [])
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _factors(seq: int):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    left = torch.randn(BATCH, seq, P, generator=g).to(DEVICE)
+    right = torch.randn(BATCH, seq, D, generator=g).to(DEVICE)
+    return left, right
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("seq", [128, 512, 2048])
+@pytest.mark.benchmark(group="linear direct norm")
+def test_direct_norm(benchmark, impl, seq):
+    left, right = _factors(seq)
+    fn = outer_norm.outer_direct_norm_sq_triton if impl == "triton" else outer_norm.outer_direct_norm_sq_torch
+    assert benchmark(fn, left, right).shape == (BATCH,)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("seq", [128, 512, 2048])
+@pytest.mark.benchmark(group="linear ghost norm")
+def test_ghost_norm(benchmark, impl, seq):
+    left, right = _factors(seq)
+    fn = outer_norm.outer_ghost_norm_sq_triton if impl == "triton" else outer_norm.outer_ghost_norm_sq_torch
+    assert benchmark(fn, left, right).shape == (BATCH,)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("seq", [128, 512, 2048])
+@pytest.mark.benchmark(group="linear clipped sum")
+def test_clipped_sum(benchmark, impl, seq):
+    left, right = _factors(seq)
+    coef = torch.rand(BATCH, device=DEVICE)
+    fn = bk_sum.clipped_sum_triton if impl == "triton" else bk_sum.clipped_sum_torch
+    assert benchmark(fn, left, right, coef).shape == (1, P, D)
+
+
+@pytest.mark.parametrize("impl", ["torch"])
+@pytest.mark.parametrize("seq", [128, 512, 2048])
+@pytest.mark.benchmark(group="embedding segment-sum norm")
+def test_embedding_norm(benchmark, impl, seq):
+    ids = torch.randint(0, 4096, (BATCH, seq), device=DEVICE)
+    block = OuterGrad(outer.TokenRows(ids, 4096), torch.randn(BATCH, seq, D, device=DEVICE))
+    assert benchmark(outer.token_norm_sq, block, torch.float32).shape == (BATCH,)

@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   private vs non-private training of a small LM on text shipped in the repo (~1 min)
 #   make test   the test suite
+# and: make bench (benchmarks vs non-private and Opacus, regenerates docs/benchmarks.md), make docs (site/)
 # torch is pinned to 2.13.0 first so that pip never pulls a newer CUDA build onto a CPU machine.
 
 PYTHON ?= python3
@@ -34,5 +35,9 @@ format: install
 	$(PY) -m ruff format src tests examples
 
 bench: install
-	$(PY) -m pip install --quiet opacus
+	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) benchmarks/run.py
+
+docs: install
+	$(PY) -m pip install --quiet -e ".[docs]"
+	$(PY) -m mkdocs build --strict

@@ -10,12 +10,15 @@ One `backward(loss)`:
 
 from __future__ import annotations
 
+import secrets
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from flashdp.clipping import CLIPPING_STYLES, Clipping, clip_coefficients
+from flashdp.distributed import adapter_for
 from flashdp.errors import FlashDPError
 from flashdp.kernels import BACKENDS, Backend, triton_unavailable_reason
 from flashdp.kernels import backend as kernels_backend
@@ -50,6 +53,7 @@ class DPEngine:
         seed: int | None = None,
         secure_rng: bool = False,
         kernels: Backend = "auto",
+        norm_group: dist.ProcessGroup | None = None,
     ) -> None:
         """See `make_private`; `privacy` holds its privacy arguments, resolved after the cheap checks."""
         _check_choice("mode", mode, MODES)
@@ -67,7 +71,7 @@ class DPEngine:
         self.clipping = clipping
         self.norm_strategy = norm_strategy
         self._scan: ModelScan = scan_model(model)
-        self._params_by_id: dict[int, TrainableParam] = {id(p.param): p for p in self._scan.params}
+        self._trainable_names = _trainable_names(model)
         self.optimizer = optimizer
         if optimizer is not None:
             _check_optimizer(optimizer, model)
@@ -75,6 +79,12 @@ class DPEngine:
         self.noise_multiplier = settings.noise_multiplier
         self.expected_batch_size = settings.expected_batch_size
         self.sample_rate = settings.sample_rate
+        if norm_group is not None and not dist.is_initialized():
+            raise FlashDPError("norm_group needs torch.distributed to be initialised (dist.init_process_group).")
+        self.norm_group = norm_group
+        self._dist = adapter_for(model, secure_rng)
+        if seed is not None or not secure_rng:
+            seed = self._dist.noise_seed(secrets.randbits(63) if seed is None else seed)
         self._noise = NoiseSource(seed, secure_rng)
         self._accountant = Accountant(settings.accountant)
         self._backward_since_step = False
@@ -102,9 +112,10 @@ class DPEngine:
         if batch == 0:
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
         second_pass = self.mode in ("ghost", "flash") and self.clipping != "per_layer"
-        outputs_grads = torch.autograd.grad(
-            loss.sum(), [c.edge for c in calls], retain_graph=second_pass, allow_unused=True
-        )
+        with self._dist.norm_pass():
+            outputs_grads = torch.autograd.grad(
+                loss.sum(), [c.edge for c in calls], retain_graph=second_pass, allow_unused=True
+            )
         # the recorded activations require grad; nothing below is differentiated
         with torch.no_grad(), kernels_backend(self.kernels):
             grads = self._per_sample_gradients(calls, outputs_grads, batch, keep_for_sum=not second_pass)
@@ -115,20 +126,22 @@ class DPEngine:
             for param, grad in grads:
                 group_norms_sq[param.group] += grad.norm_sq().to(group_norms_sq.dtype)
             self.strategies = {param.name: grad.strategy for param, grad in grads}
+            if self.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
+                dist.all_reduce(group_norms_sq, op=dist.ReduceOp.SUM, group=self.norm_group)
             coef = clip_coefficients(self.clipping, group_norms_sq, self.max_grad_norm)
             if not second_pass:
                 for param, grad in grads:
-                    _accumulate(param.param, grad.clipped_sum(coef[param.group]))
+                    self._dist.accumulate(param.param, grad.clipped_sum(coef[param.group]))
         if second_pass:
             del grads
-            (loss * coef[0].to(loss.dtype)).sum().backward()
+            with self._dist.second_pass():
+                (loss * (coef[0] * self._dist.second_pass_scale).to(loss.dtype)).sum().backward()
         return group_norms_sq.sum(0).sqrt().float()
 
     def _per_sample_gradients(
         self, calls: list[Call], outputs_grads: tuple, batch: int, keep_for_sum: bool
     ) -> list[tuple[TrainableParam, ParamGradient]]:
-        by_param: dict[int, ParamGradient] = {}
-        info = self._params_by_id
+        by_param: dict[int, tuple[TrainableParam, ParamGradient]] = {}
         for call, grad_at_edge in zip(calls, outputs_grads, strict=True):
             layer = call.layer
             if grad_at_edge is None:
@@ -153,28 +166,27 @@ class DPEngine:
                     f"called on a batch of {call.batch_size} (its output's first dim). flashdp needs the batch as "
                     "the first dim of every layer's input and output, and one loss per sample."
                 )
-            per_sample = layer.match.rule.per_sample_grads(layer.module, call.inputs, grad_output, layer.trainable)
-            missing = layer.trainable - set(per_sample)
+            per_sample = layer.match.rule.per_sample_grads(
+                layer.module, call.inputs, grad_output, frozenset(layer.trainable)
+            )
+            missing = set(layer.trainable) - set(per_sample)
             if missing:
                 raise FlashDPError(
                     f"Rule {layer.match.rule.name} returned no per-sample gradient for {sorted(missing)} of layer "
                     f"{layer.label}."
                 )
             for name in layer.trainable:
-                param = layer.module._parameters[name]
-                tracked = info[id(param)]
-                slot = by_param.get(id(param))
-                if slot is None:
-                    slot = by_param[id(param)] = ParamGradient(
-                        tracked.name, param, batch, self.norm_strategy, keep_for_sum
-                    )
-                slot.add(per_sample[name], layer.label)
+                tracked = self._scan.slots[(id(layer.module), name)]
+                if id(tracked.param) not in by_param:
+                    slot = ParamGradient(tracked.name, tracked.param, batch, self.norm_strategy, keep_for_sum)
+                    by_param[id(tracked.param)] = (tracked, slot)
+                by_param[id(tracked.param)][1].add(per_sample[name], layer.label)
         if not by_param:
             raise FlashDPError(
                 "The loss does not depend on any trainable layer recorded in the last forward pass: compute the "
                 "per-sample losses from this model's output."
             )
-        return [(info[pid], slot) for pid, slot in by_param.items()]
+        return list(by_param.values())
 
     # -- DP-SGD -------------------------------------------------------------------------------------------
 
@@ -200,13 +212,18 @@ class DPEngine:
                 "least one backward (an empty Poisson batch counts: call backward on its empty loss)."
             )
         std = self.noise_multiplier * self.max_grad_norm
+        params = [tracked.param for tracked in self._scan.params]
         with torch.no_grad():
-            for tracked in self._scan.params:
-                p = tracked.param
+            for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+            self._dist.reduce_gradients(params)
+            for p in params:
                 if std > 0:
-                    p.grad.add_(self._noise.gaussian(p.shape, std, p.device, p.grad.dtype))
+                    local = self._dist.local_grad(p)
+                    local.add_(
+                        self._dist.shared_noise(self._noise.gaussian(local.shape, std, local.device, local.dtype))
+                    )
                 p.grad.div_(self.expected_batch_size)
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -251,6 +268,7 @@ class DPEngine:
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
+            self._dist.detach()
 
     def __enter__(self) -> DPEngine:
         return self
@@ -264,13 +282,15 @@ class DPEngine:
         return self._recorder
 
     def _check_trainable_unchanged(self) -> None:
-        expected = self._params_by_id.keys()
-        current = {id(p) for p in self.model.parameters() if p.requires_grad}
-        if current != expected:
+        if _trainable_names(self.model) != self._trainable_names:
             raise FlashDPError(
                 "The model's trainable parameters changed since make_private (requires_grad toggled or parameters "
                 "added). Call engine.detach() and flashdp.make_private(model, ...) again."
             )
+
+
+def _trainable_names(model: nn.Module) -> frozenset[str]:
+    return frozenset(name for name, p in model.named_parameters() if p.requires_grad)
 
 
 def _resolve_kernels(mode: str, requested: str) -> str:
@@ -322,14 +342,6 @@ def _check_loss(loss: object) -> Tensor:
     return loss
 
 
-def _accumulate(param: nn.Parameter, clipped_sum: Tensor) -> None:
-    """`param.grad += clipped_sum`, creating it when absent."""
-    if param.grad is None:
-        param.grad = clipped_sum.to(param.dtype)
-    else:
-        param.grad.add_(clipped_sum.to(param.grad.dtype))
-
-
 def make_private(
     model: nn.Module,
     *,
@@ -349,6 +361,7 @@ def make_private(
     secure_rng: bool = False,
     norm_strategy: StrategyChoice = "auto",
     kernels: Backend = "auto",
+    norm_group: dist.ProcessGroup | None = None,
 ) -> DPEngine:
     """Make training of `model` differentially private. The model is not wrapped: its state_dict, type and
     methods are unchanged; `engine.detach()` removes every hook.
@@ -371,6 +384,12 @@ def make_private(
             "direct" force one (for benchmarks and tests).
         kernels: "auto" (Triton on CUDA tensors, PyTorch otherwise), "triton" (everywhere it can run) or
             "torch" (never). float64 inputs always use PyTorch.
+        norm_group: a process group that splits each sample's computation (tensor parallel): squared norms are
+            summed over it. Never a data-parallel group: norms are local to the rank that holds the sample.
+
+    The model may be wrapped by DistributedDataParallel or sharded with FSDP2 (`fully_shard`); then
+    expected_batch_size and sample_rate are global (all ranks), and every rank ends with the update one process
+    holding the global batch would make.
     """
     privacy = {
         "noise_multiplier": noise_multiplier,
@@ -393,4 +412,5 @@ def make_private(
         seed=seed,
         secure_rng=secure_rng,
         kernels=kernels,
+        norm_group=norm_group,
     )

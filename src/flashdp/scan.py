@@ -20,7 +20,9 @@ class Layer:
     path: str
     module: nn.Module
     match: RuleMatch
-    trainable: frozenset[str]
+    #: names of its own trainable parameters, in registration order: the same on every rank, as the order of
+    #: per-parameter collectives must be (a set's order varies with each process's string hashing)
+    trainable: tuple[str, ...]
 
     @property
     def label(self) -> str:
@@ -41,6 +43,9 @@ class ModelScan:
     layers: list[Layer]
     params: list[TrainableParam]
     group_names: list[str]
+    #: (id(module), parameter name) -> the parameter as registered at make_private. Wrappers such as FSDP2 swap
+    #: the objects registered on a module (sharded / unsharded), so a module and a name identify a parameter.
+    slots: dict[tuple[int, str], TrainableParam]
 
 
 def scan_model(model: nn.Module) -> ModelScan:
@@ -61,7 +66,7 @@ def scan_model(model: nn.Module) -> ModelScan:
         for name, param in own.items():
             owners.setdefault(id(param), []).append(len(layers))
             names.setdefault(id(param), (f"{path}.{name}" if path else name, param))
-        layers.append(Layer(path, module, match, frozenset(own)))
+        layers.append(Layer(path, module, match, tuple(own)))
     if problems:
         raise FlashDPError(
             "flashdp cannot compute exact per-sample gradients for these trainable parameters:\n  - "
@@ -74,11 +79,14 @@ def scan_model(model: nn.Module) -> ModelScan:
             "The model has no trainable parameters (none with requires_grad=True): nothing to train privately."
         )
     group_of_layer = _union_groups(len(layers), owners.values())
-    params = [TrainableParam(name, p, group_of_layer[owners[pid][0]]) for pid, (name, p) in names.items()]
+    tracked = {pid: TrainableParam(name, p, group_of_layer[owners[pid][0]]) for pid, (name, p) in names.items()}
     group_names = [""] * (max(group_of_layer) + 1)
     for layer, group in zip(layers, group_of_layer, strict=True):
         group_names[group] = group_names[group] or layer.path
-    return ModelScan(layers, params, group_names)
+    slots = {
+        (id(layer.module), n): tracked[id(layer.module._parameters[n])] for layer in layers for n in layer.trainable
+    }
+    return ModelScan(layers, list(tracked.values()), group_names, slots)
 
 
 def _refuse_sample_mixing(model: nn.Module) -> None:

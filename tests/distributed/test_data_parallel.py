@@ -1,0 +1,113 @@
+"""DDP and FSDP2 on 2 gloo processes: every rank ends with the update of one process holding the global batch."""
+
+import pytest
+import torch
+from torch import nn
+
+import flashdp
+from tests.distributed.launch import run
+
+BATCH = 8  # global; rank r holds samples [r * 4, r * 4 + 4)
+LR = 0.5
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # 12 embedding rows: both ranks hold [6, 6] shards, so equal generators would give them equal noise
+    return nn.Sequential(nn.Embedding(12, 6), nn.LayerNorm(6), nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 11))
+
+
+def _data() -> torch.Tensor:
+    return torch.randint(0, 11, (BATCH, 5), generator=torch.Generator().manual_seed(1))
+
+
+def _loss(model, ids) -> torch.Tensor:
+    logits = model(ids)
+    return nn.functional.cross_entropy(logits.transpose(1, 2), ids, reduction="none").mean(1)
+
+
+def _train(model, wrapped, ids, mode, noise, micro, seed=None):
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    engine = flashdp.make_private(
+        wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=noise, optimizer=optimizer,
+        expected_batch_size=BATCH, sample_rate=0.1, seed=seed,
+    )  # fmt: skip
+    norms = torch.cat([engine.backward(_loss(wrapped, part)) for part in flashdp.micro_batches(ids, micro)])
+    engine.step()
+    engine.detach()
+    return norms
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+
+
+def _rank_run(rank: int, wrapper: str, mode: str, noise: float, seed):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _model()
+    ids = _data()[rank * 4 : rank * 4 + 4]
+    if wrapper == "ddp":
+        wrapped = DistributedDataParallel(model)
+    else:
+        for layer in (model[0], model[2], model[4]):
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+    norms = _train(model, wrapped, ids, mode, noise, micro=3, seed=seed)
+    params = [_full(p) for p in wrapped.parameters()]
+    locals_ = [p.to_local().clone() if hasattr(p, "to_local") else p.detach().clone() for p in wrapped.parameters()]
+    return {"norms": norms, "params": params, "local": locals_}
+
+
+def _single_process(mode: str):
+    model = _model()
+    norms = _train(model, model, _data(), mode, noise=0.0, micro=BATCH)
+    return norms, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_update_equals_one_process_on_the_union_batch(wrapper, mode):
+    ranks = run(_rank_run, wrapper, mode, 0.0, None)
+    expected_norms, expected_params = _single_process(mode)
+    torch.testing.assert_close(torch.cat([r["norms"] for r in ranks]), expected_norms, rtol=1e-5, atol=1e-6)
+    for rank in ranks:
+        for got, expected in zip(rank["params"], expected_params, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def _noise_only(ranks_with, ranks_without) -> list[list[torch.Tensor]]:
+    """Per rank, per parameter: the local update due to noise alone (-lr * noise / B)."""
+    return [
+        [a - b for a, b in zip(w["local"], wo["local"], strict=True)]
+        for w, wo in zip(ranks_with, ranks_without, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_noise_once_per_coordinate_with_the_right_std(wrapper):
+    noisy = run(_rank_run, wrapper, "bk", 1.0, None)
+    clean = run(_rank_run, wrapper, "bk", 0.0, None)
+    per_rank = [torch.cat([n.flatten() for n in rank]) for rank in _noise_only(noisy, clean)]
+    expected_std = LR * 1.0 * 0.05 / BATCH
+    if wrapper == "ddp":  # replicated: the same noise on every rank
+        assert torch.equal(per_rank[0], per_rank[1])
+        coords = per_rank[0]
+    else:  # sharded: each rank noises its own shard, independently
+        coords = torch.cat(per_rank)
+        full_noisy = torch.cat([p.flatten() for p in noisy[0]["params"]])
+        full_clean = torch.cat([p.flatten() for p in clean[0]["params"]])
+        assert torch.equal(full_noisy, torch.cat([p.flatten() for p in noisy[1]["params"]]))
+        assert (full_noisy - full_clean).numel() == coords.numel()
+    assert abs(coords.std().item() / expected_std - 1) < 0.15  # ~300 coordinates
+
+
+def test_fsdp2_shards_draw_independent_noise():
+    noisy = run(_rank_run, "fsdp2", "bk", 1.0, 5)
+    clean = run(_rank_run, "fsdp2", "bk", 0.0, 5)
+    # the embedding weight: the first parameter noised, so equal generators would give equal leading values
+    first, second = (rank[0].flatten() for rank in _noise_only(noisy, clean))
+    n = min(len(first), len(second))
+    # equal generators leave only rounding between the two (1e-6 of the noise); independent ones differ by O(1)
+    assert (first[:n] - second[:n]).abs().max() > 0.1 * first.abs().max()

@@ -25,6 +25,7 @@ from flashdp.kernels import backend as kernels_backend
 from flashdp.param_grad import ParamGradient, StrategyChoice
 from flashdp.privacy import Accountant, NoiseSource
 from flashdp.privacy.settings import PrivacySettings, resolve_privacy
+from flashdp.profiling import PhaseTimer, profiling_requested
 from flashdp.recorder import Call, Recorder
 from flashdp.scan import ModelScan, TrainableParam, scan_model
 
@@ -54,6 +55,7 @@ class DPEngine:
         secure_rng: bool = False,
         kernels: Backend = "auto",
         norm_group: dist.ProcessGroup | None = None,
+        profile: bool | None = None,
     ) -> None:
         """See `make_private`; `privacy` holds its privacy arguments, resolved after the cheap checks."""
         _check_choice("mode", mode, MODES)
@@ -82,13 +84,15 @@ class DPEngine:
         if norm_group is not None and not dist.is_initialized():
             raise FlashDPError("norm_group needs torch.distributed to be initialised (dist.init_process_group).")
         self.norm_group = norm_group
+        self._timer = PhaseTimer(profiling_requested(profile))
         self._dist = adapter_for(model, secure_rng)
+        self._dist.timer = self._timer
         if seed is not None or not secure_rng:
             seed = self._dist.noise_seed(secrets.randbits(63) if seed is None else seed)
         self._noise = NoiseSource(seed, secure_rng)
         self._accountant = Accountant(settings.accountant)
         self._backward_since_step = False
-        self._recorder: Recorder | None = Recorder(self._scan.layers)
+        self._recorder: Recorder | None = Recorder(self._scan.layers, on_call=self._timer.forward_started)
         self.strategies: dict[str, str] = {}
 
     # -- clipping -----------------------------------------------------------------------------------------
@@ -99,6 +103,7 @@ class DPEngine:
         loss: `[B]`, one loss per sample of the last forward (e.g. `reduction="none"`).
         """
         recorder = self._attached_recorder()
+        self._timer.forward_ended()
         self._check_trainable_unchanged()
         loss = _check_loss(loss)
         calls = recorder.take()
@@ -112,12 +117,13 @@ class DPEngine:
         if batch == 0:
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
         second_pass = self.mode in ("ghost", "flash") and self.clipping != "per_layer"
-        with self._dist.norm_pass():
+        with self._timer.phase("norm pass"), self._dist.norm_pass():
             outputs_grads = torch.autograd.grad(
                 loss.sum(), [c.edge for c in calls], retain_graph=second_pass, allow_unused=True
             )
         # the recorded activations require grad; nothing below is differentiated
-        with torch.no_grad(), kernels_backend(self.kernels):
+        norm_phase = self._timer.phase("norm computation")
+        with torch.no_grad(), kernels_backend(self.kernels), norm_phase:
             grads = self._per_sample_gradients(calls, outputs_grads, batch, keep_for_sum=not second_pass)
             # From here on only the ParamGradients hold activations and output gradients, each just until its
             # norm no longer needs them (a directly-normed layer keeps only its per-sample gradient).
@@ -129,12 +135,13 @@ class DPEngine:
             if self.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
                 dist.all_reduce(group_norms_sq, op=dist.ReduceOp.SUM, group=self.norm_group)
             coef = clip_coefficients(self.clipping, group_norms_sq, self.max_grad_norm)
-            if not second_pass:
+        if not second_pass:
+            with torch.no_grad(), kernels_backend(self.kernels), self._timer.phase("second pass / bk sums"):
                 for param, grad in grads:
                     self._dist.accumulate(param.param, grad.clipped_sum(coef[param.group]))
-        if second_pass:
+        else:
             del grads
-            with self._dist.second_pass():
+            with self._timer.phase("second pass / bk sums"), self._dist.second_pass():
                 (loss * (coef[0] * self._dist.second_pass_scale).to(loss.dtype)).sum().backward()
         return group_norms_sq.sum(0).sqrt().float()
 
@@ -229,6 +236,7 @@ class DPEngine:
         self.optimizer.zero_grad()
         self._accountant.step(self.noise_multiplier, self.sample_rate or 0.0)
         self._backward_since_step = False
+        self._timer.report(self.steps)
 
     def epsilon(self, delta: float) -> float:
         """The epsilon spent so far at this delta (PLD, or RDP when accountant="rdp")."""
@@ -362,6 +370,7 @@ def make_private(
     norm_strategy: StrategyChoice = "auto",
     kernels: Backend = "auto",
     norm_group: dist.ProcessGroup | None = None,
+    profile: bool | None = None,
 ) -> DPEngine:
     """Make training of `model` differentially private. The model is not wrapped: its state_dict, type and
     methods are unchanged; `engine.detach()` removes every hook.
@@ -386,6 +395,9 @@ def make_private(
             "torch" (never). float64 inputs always use PyTorch.
         norm_group: a process group that splits each sample's computation (tensor parallel): squared norms are
             summed over it. Never a data-parallel group: norms are local to the rank that holds the sample.
+        profile: print a per-phase time breakdown of every step to stderr (forward, norm pass, norm computation,
+            communication, second pass or bk sums, noise, optimizer). Default: the FLASHDP_PROFILE environment
+            variable.
 
     The model may be wrapped by DistributedDataParallel or sharded with FSDP2 (`fully_shard`); then
     expected_batch_size and sample_rate are global (all ranks), and every rank ends with the update one process
@@ -413,4 +425,5 @@ def make_private(
         secure_rng=secure_rng,
         kernels=kernels,
         norm_group=norm_group,
+        profile=profile,
     )

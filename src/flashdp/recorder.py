@@ -4,6 +4,7 @@ edge of its output (taken before any later in-place op can move it)."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +46,9 @@ class Call:
 class Recorder:
     """Records calls made with gradients enabled; `take()` hands them over and forgets them."""
 
-    def __init__(self, layers: list[Layer]) -> None:
+    def __init__(self, layers: list[Layer], on_call: Callable[[], None] = lambda: None) -> None:
         self.calls: list[Call] = []
+        self._on_call = on_call
         self._checked: set[int] = set()
         self._handles = [
             layer.module.register_forward_hook(functools.partial(self._record, layer), with_kwargs=True)
@@ -64,6 +66,7 @@ class Recorder:
             return
         if output.dim() == 0:
             raise FlashDPError(f"Layer {layer.label} returned a scalar; expected a batched output [B, ...].")
+        self._on_call()
         inputs = args or tuple(kwargs.values())
         if layer.match.verify_with is not None and id(module) not in self._checked:
             _check_forward(layer, inputs, output)

@@ -18,12 +18,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from flashdp.errors import FlashDPError
+from flashdp.profiling import PhaseTimer
 
 
 class Adapter:
     """A single process: gradients are local and whole."""
 
     world_size = 1
+    #: the engine's PhaseTimer; collectives are timed as "communication"
+    timer = PhaseTimer(False)
 
     def norm_pass(self) -> contextlib.AbstractContextManager:
         """Around the norm pass: no gradient collective may run in it."""
@@ -143,7 +146,8 @@ class FSDP2Adapter(Adapter):
         padded = clipped_sum.new_zeros(chunk * self.world_size, *clipped_sum.shape[1:])
         padded[:rows] = clipped_sum
         shard = padded.new_empty(chunk, *clipped_sum.shape[1:])
-        dist.reduce_scatter_tensor(shard, padded, op=dist.ReduceOp.SUM, group=self.group)
+        with self.timer.phase("communication"):
+            dist.reduce_scatter_tensor(shard, padded, op=dist.ReduceOp.SUM, group=self.group)
         local_rows = max(0, min(chunk, rows - self.rank * chunk))
         local = shard[:local_rows].to(param.dtype)
         if param.grad is None:

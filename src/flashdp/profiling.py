@@ -1,0 +1,74 @@
+"""Per-phase wall-clock breakdown of DP steps: `make_private(..., profile=True)` or `FLASHDP_PROFILE=1`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import TextIO
+
+import torch
+
+PHASES = ("forward", "norm pass", "norm computation", "communication", "second pass / bk sums", "noise", "optimizer")
+
+
+def profiling_requested(flag: bool | None) -> bool:
+    return bool(flag) if flag is not None else os.environ.get("FLASHDP_PROFILE", "") not in ("", "0")
+
+
+class PhaseTimer:
+    """Accumulates seconds per phase; `report()` prints them and starts over. Synchronises CUDA around phases so
+    that GPU time lands in the phase that queued it. Disabled, it costs nothing."""
+
+    def __init__(self, enabled: bool, stream: TextIO | None = None) -> None:
+        self.enabled = enabled
+        self.stream = stream
+        self.seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._forward_start: float | None = None
+        self._nested: list[float] = []  # seconds spent in phases nested in each open phase
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a phase; a phase nested in another (a collective inside the bk sums) counts only for itself."""
+        if not self.enabled:
+            yield
+            return
+        _sync()
+        start = time.perf_counter()
+        self._nested.append(0.0)
+        try:
+            yield
+        finally:
+            _sync()
+            elapsed = time.perf_counter() - start
+            inner = self._nested.pop()
+            self.seconds[name] += elapsed - inner
+            if self._nested:
+                self._nested[-1] += elapsed
+
+    def forward_started(self) -> None:
+        """A trainable layer ran with grad enabled; the forward phase runs until the next backward."""
+        if self.enabled and self._forward_start is None:
+            self._forward_start = time.perf_counter()
+
+    def forward_ended(self) -> None:
+        if self.enabled and self._forward_start is not None:
+            _sync()
+            self.seconds["forward"] += time.perf_counter() - self._forward_start
+            self._forward_start = None
+
+    def report(self, step: int) -> None:
+        if not self.enabled:
+            return
+        total = sum(self.seconds.values()) or 1.0
+        lines = [f"flashdp step {step}: {total * 1000:.1f} ms"]
+        lines += [f"  {name:<22s} {s * 1000:9.1f} ms  {100 * s / total:5.1f}%" for name, s in self.seconds.items()]
+        print("\n".join(lines), file=self.stream or sys.stderr)
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -1,0 +1,53 @@
+import re
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import flashdp
+from flashdp.profiling import PHASES, PhaseTimer
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_profile_prints_every_phase_of_each_step(mode, capsys):
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    engine = flashdp.make_private(
+        model, mode=mode, max_grad_norm=1.0, noise_multiplier=1.0, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+        expected_batch_size=4, profile=True,
+    )  # fmt: skip
+    for _ in range(2):
+        engine.backward(model(torch.randn(4, 8)).sum(1))
+        engine.step()
+    report = capsys.readouterr().err
+    assert report.count("flashdp step") == 2
+    for phase in PHASES:
+        assert re.search(rf"{phase}\s+[\d.]+ ms", report), phase
+    total = float(re.search(r"flashdp step 2: ([\d.]+) ms", report).group(1))
+    parts = sum(float(v) for v in re.findall(r"\s([\d.]+) ms\s+[\d.]+%", report.split("flashdp step 2")[1]))
+    assert parts == pytest.approx(total, abs=0.05 * (len(PHASES) + 1))  # each figure is rounded to 0.1 ms
+
+
+def test_profile_is_off_by_default_and_on_with_the_environment(monkeypatch, capsys):
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    for env, expected in (("", 0), ("1", 1)):
+        monkeypatch.setenv("FLASHDP_PROFILE", env)
+        engine = flashdp.make_private(
+            model, max_grad_norm=1.0, noise_multiplier=1.0, optimizer=opt, expected_batch_size=2
+        )
+        engine.backward(model(torch.randn(2, 3)).sum(1))
+        engine.step()
+        engine.detach()
+        assert capsys.readouterr().err.count("flashdp step") == expected
+
+
+def test_nested_phases_are_counted_once():
+    """A collective inside the bk sums counts as communication only, not twice."""
+    timer = PhaseTimer(True)
+    with timer.phase("second pass / bk sums"):
+        with timer.phase("communication"):
+            time.sleep(0.06)
+        time.sleep(0.01)
+    assert timer.seconds["communication"] >= 0.06
+    assert 0.01 <= timer.seconds["second pass / bk sums"] < 0.04

@@ -85,11 +85,13 @@ class DPEngine:
             raise FlashDPError("norm_group needs torch.distributed to be initialised (dist.init_process_group).")
         self.norm_group = norm_group
         self._timer = PhaseTimer(profiling_requested(profile))
-        self._dist = adapter_for(model, secure_rng)
+        if secure_rng:  # checked before the adapter changes anything on a wrapper
+            self._noise = NoiseSource(seed, secure=True)
+            self._dist = adapter_for(model, secure_rng=True)
+        else:
+            self._dist = adapter_for(model)
+            self._noise = NoiseSource(self._dist.noise_seed(secrets.randbits(63) if seed is None else seed))
         self._dist.timer = self._timer
-        if seed is not None or not secure_rng:
-            seed = self._dist.noise_seed(secrets.randbits(63) if seed is None else seed)
-        self._noise = NoiseSource(seed, secure_rng)
         self._accountant = Accountant(settings.accountant)
         self._backward_since_step = False
         self._recorder: Recorder | None = Recorder(self._scan.layers, on_call=self._timer.forward_started)
@@ -133,7 +135,8 @@ class DPEngine:
                 group_norms_sq[param.group] += grad.norm_sq().to(group_norms_sq.dtype)
             self.strategies = {param.name: grad.strategy for param, grad in grads}
             if self.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
-                dist.all_reduce(group_norms_sq, op=dist.ReduceOp.SUM, group=self.norm_group)
+                with self._timer.phase("communication"):
+                    dist.all_reduce(group_norms_sq, op=dist.ReduceOp.SUM, group=self.norm_group)
             coef = clip_coefficients(self.clipping, group_norms_sq, self.max_grad_norm)
         if not second_pass:
             with torch.no_grad(), kernels_backend(self.kernels), self._timer.phase("second pass / bk sums"):

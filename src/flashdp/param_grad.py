@@ -89,28 +89,21 @@ class ParamGradient:
         self.groups = first.groups
         total = first.right.new_zeros(first.right.shape[0], dtype=dtype)
         strategies = []
-        if dense and tokens is None:
+        if dense:
             strategy = self._choose(dense)
             strategies.append(strategy)
-            if strategy == "direct" and self.keep_for_sum:
-                self.per_sample = outer.per_sample_blocks(dense, dtype)
-                total += outer.sum_of_squares(self.per_sample)
-            else:
-                left, right = _concat_positions(dense)
-                norm = kernels.outer_direct_norm_sq if strategy == "direct" else kernels.outer_ghost_norm_sq
-                total += norm(left, right).to(dtype)
-        elif dense:  # a table shared with a dense layer (tied embedding): torch, with the cross term
-            strategy = self._choose(dense)
-            strategies.append(strategy)
-            if strategy == "direct":
+            if strategy == "direct" and (self.keep_for_sum or tokens is not None):
+                # materialised: kept for the bk sum, or needed for the cross term with a tied table
                 self.per_sample = outer.per_sample_blocks(dense, dtype)
                 total += outer.sum_of_squares(self.per_sample)
                 if tokens is not None:
                     total += 2 * outer.token_inner_with_dense(self.per_sample, tokens, dtype)
-            else:
-                total += outer.ghost_norm_sq(dense, dtype)
-                if tokens is not None:
-                    total += 2 * outer.ghost_inner(dense, [tokens], dtype)
+            elif tokens is not None:
+                total += outer.ghost_norm_sq(dense, dtype) + 2 * outer.ghost_inner(dense, [tokens], dtype)
+            else:  # the norm alone: a kernel where it can run, never the per-sample gradient
+                left, right = _concat_positions(dense)
+                norm = kernels.outer_direct_norm_sq if strategy == "direct" else kernels.outer_ghost_norm_sq
+                total += norm(left, right).to(dtype)
         if tokens is not None:
             strategies.append("tokens")
             total += outer.token_norm_sq(tokens, dtype)

@@ -1,0 +1,89 @@
+"""No gradient collective in the norm pass; norm_group sums squared norms over a tensor-parallel split."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flashdp
+from tests.distributed.launch import WORLD, run
+from tests.distributed.test_data_parallel import _data, _loss, _model
+
+GRADIENT_COLLECTIVES = ("allreduce", "all_reduce", "reduce_scatter")
+
+
+def _count_backward_collectives(rank: int, wrapper: str) -> dict:
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.profiler import ProfilerActivity, profile
+
+    model = _model()
+    if wrapper == "ddp":
+        wrapped = DistributedDataParallel(model)
+    else:
+        for layer in (model[0], model[2], model[4]):
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+    engine = flashdp.make_private(
+        wrapped, mode="bk", max_grad_norm=1.0, noise_multiplier=0.0,
+        optimizer=torch.optim.SGD(wrapped.parameters(), lr=0.1), expected_batch_size=8, sample_rate=0.1,
+    )  # fmt: skip
+    ids = _data()[rank * 4 : rank * 4 + 4]
+    loss = _loss(wrapped, ids)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.backward(loss)
+    names = [e.name for e in prof.events() if e.name.startswith("c10d::")]
+    gradient = [n for n in names if any(k in n for k in GRADIENT_COLLECTIVES)]
+    return {"gradient_collectives": gradient, "params": len(list(wrapped.parameters()))}
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_bk_backward_runs_no_gradient_collective_of_its_own(wrapper):
+    """The norm pass syncs nothing; under FSDP2 the only reductions are flashdp's, one reduce-scatter per
+    parameter of the clipped sums; under DDP the reduction waits for step()."""
+    for rank in run(_count_backward_collectives, wrapper):
+        expected = rank["params"] if wrapper == "fsdp2" else 0
+        assert len(rank["gradient_collectives"]) == expected, rank["gradient_collectives"]
+
+
+class ColumnParallelLinear(nn.Module):
+    """Each rank holds half of the output features; the full output is gathered (with autograd)."""
+
+    def __init__(self, full: nn.Linear, rank: int) -> None:
+        super().__init__()
+        rows = full.out_features // WORLD
+        self.local = nn.Linear(full.in_features, rows)
+        with torch.no_grad():
+            self.local.weight.copy_(full.weight[rank * rows : (rank + 1) * rows])
+            self.local.bias.copy_(full.bias[rank * rows : (rank + 1) * rows])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_gather
+
+        return torch.cat(all_gather(self.local(x)), dim=-1)
+
+
+def _full_layer() -> tuple[nn.Linear, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Linear(5, 6), torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(1))
+
+
+def _tp_rank(rank: int) -> dict:
+    full, x = _full_layer()
+    layer = ColumnParallelLinear(full, rank)
+    engine = flashdp.make_private(layer, max_grad_norm=0.5, noise_multiplier=0.0, norm_group=dist.group.WORLD)
+    # every rank computes the same loss and all_gather's backward sums over ranks: each holds 1 / WORLD of it
+    norms = engine.backward(layer(x).tanh().square().sum((1, 2)) / WORLD)
+    return {"norms": norms, "weight_grad": layer.local.weight.grad, "bias_grad": layer.local.bias.grad}
+
+
+def test_norm_group_gives_the_norms_of_the_unsplit_layer():
+    ranks = run(_tp_rank)
+    full, x = _full_layer()
+    with flashdp.make_private(full, max_grad_norm=0.5, noise_multiplier=0.0) as engine:
+        expected = engine.backward(full(x).tanh().square().sum((1, 2)))
+    rows = full.out_features // WORLD
+    for rank, result in enumerate(ranks):
+        torch.testing.assert_close(result["norms"], expected)
+        torch.testing.assert_close(result["weight_grad"], full.weight.grad[rank * rows : (rank + 1) * rows])
+        torch.testing.assert_close(result["bias_grad"], full.bias.grad[rank * rows : (rank + 1) * rows])

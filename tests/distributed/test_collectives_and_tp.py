@@ -7,23 +7,15 @@ from torch import nn
 
 import flashdp
 from tests.distributed.launch import WORLD, run
-from tests.distributed.test_data_parallel import _data, _loss, _model
+from tests.distributed.test_data_parallel import _data, _loss, _model, wrap
 
 GRADIENT_COLLECTIVES = ("allreduce", "all_reduce", "reduce_scatter")
 
 
 def _count_backward_collectives(rank: int, wrapper: str) -> dict:
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel
     from torch.profiler import ProfilerActivity, profile
 
-    model = _model()
-    if wrapper == "ddp":
-        wrapped = DistributedDataParallel(model)
-    else:
-        for layer in (model[0], model[2], model[4]):
-            fully_shard(layer)
-        wrapped = fully_shard(model)
+    wrapped = wrap(_model(), wrapper)
     engine = flashdp.make_private(
         wrapped, mode="bk", max_grad_norm=1.0, noise_multiplier=0.0,
         optimizer=torch.optim.SGD(wrapped.parameters(), lr=0.1), expected_batch_size=8, sample_rate=0.1,

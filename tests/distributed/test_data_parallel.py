@@ -42,18 +42,22 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
 
 
-def _rank_run(rank: int, wrapper: str, mode: str, noise: float, seed):
+def wrap(model: nn.Module, wrapper: str) -> nn.Module:
+    """DDP, or FSDP2 with the embedding and both Linears sharded on their own, then the root."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
+    if wrapper == "ddp":
+        return DistributedDataParallel(model)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _rank_run(rank: int, wrapper: str, mode: str, noise: float, seed):
     model = _model()
     ids = _data()[rank * 4 : rank * 4 + 4]
-    if wrapper == "ddp":
-        wrapped = DistributedDataParallel(model)
-    else:
-        for layer in (model[0], model[2], model[4]):
-            fully_shard(layer)
-        wrapped = fully_shard(model)
+    wrapped = wrap(model, wrapper)
     norms = _train(model, wrapped, ids, mode, noise, micro=3, seed=seed)
     params = [_full(p) for p in wrapped.parameters()]
     locals_ = [p.to_local().clone() if hasattr(p, "to_local") else p.detach().clone() for p in wrapped.parameters()]

@@ -144,7 +144,7 @@ class DPEngine:
                     self._dist.accumulate(param.param, grad.clipped_sum(coef[param.group]))
         else:
             del grads
-            with self._timer.phase("second pass / bk sums"), self._dist.second_pass():
+            with self._timer.phase("second pass / bk sums"):
                 (loss * (coef[0] * self._dist.second_pass_scale).to(loss.dtype)).sum().backward()
         return group_norms_sq.sum(0).sqrt().float()
 
@@ -227,16 +227,18 @@ class DPEngine:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            self._dist.reduce_gradients(params)
-            for p in params:
-                if std > 0:
-                    local = self._dist.local_grad(p)
-                    local.add_(
-                        self._dist.shared_noise(self._noise.gaussian(local.shape, std, local.device, local.dtype))
-                    )
-                p.grad.div_(self.expected_batch_size)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+            with self._timer.phase("communication"):
+                self._dist.reduce_gradients(params)
+            with self._timer.phase("noise"):
+                for p in params:
+                    if std > 0:
+                        local = self._dist.local_grad(p)
+                        noise = self._noise.gaussian(local.shape, std, local.device, local.dtype)
+                        local.add_(self._dist.shared_noise(noise))
+                    p.grad.div_(self.expected_batch_size)
+        with self._timer.phase("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad()
         self._accountant.step(self.noise_multiplier, self.sample_rate or 0.0)
         self._backward_since_step = False
         self._timer.report(self.steps)

@@ -39,10 +39,6 @@ def sum_of_squares(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x.flatten(1), dim=1).square()
 
 
-def _cast(left: Left, dtype: torch.dtype) -> Left:
-    return left if isinstance(left, TokenRows) else left.to(dtype)
-
-
 def _slice(left: Left, start: int, stop: int) -> Left:
     if isinstance(left, TokenRows):
         return TokenRows(left.ids[:, start:stop], left.num_rows)

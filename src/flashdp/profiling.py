@@ -63,8 +63,8 @@ class PhaseTimer:
         if not self.enabled:
             return
         total = sum(self.seconds.values()) or 1.0
-        lines = [f"flashdp step {step}: {total * 1000:.1f} ms"]
-        lines += [f"  {name:<22s} {s * 1000:9.1f} ms  {100 * s / total:5.1f}%" for name, s in self.seconds.items()]
+        lines = [f"flashdp step {step}: {total * 1000:.2f} ms"]
+        lines += [f"  {name:<22s} {s * 1000:9.2f} ms  {100 * s / total:5.1f}%" for name, s in self.seconds.items()]
         print("\n".join(lines), file=self.stream or sys.stderr)
         self.seconds = dict.fromkeys(PHASES, 0.0)
 

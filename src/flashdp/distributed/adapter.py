@@ -32,9 +32,6 @@ class Adapter:
         """Around the norm pass: no gradient collective may run in it."""
         return contextlib.nullcontext()
 
-    def second_pass(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
     @property
     def second_pass_scale(self) -> float:
         """Loss factor of the ghost second pass, so that the wrapper's gradient reduction yields the SUM."""

@@ -52,7 +52,7 @@ def test_param_gradient_norm_and_clipped_sum_equal_materialised(bs, strategy, da
     p, d = bs[0].block_shape
     coef = torch.rand(n, dtype=torch.float64)
     dense = sum(_dense(b) for b in bs)
-    slot = ParamGradient("w", torch.empty(p, d), n, strategy)
+    slot = ParamGradient("w", (p, d), n, strategy)
     for b in data.draw(st.permutations(bs)):
         slot.add(b, "test")
     torch.testing.assert_close(slot.norm_sq(), dense.flatten(1).square().sum(1))
@@ -70,7 +70,7 @@ def test_grouped_blocks_stack_per_sample(batch, groups, t, p, d):
     per_sample = _dense(block).view(batch, groups * p, d)
     coef = torch.rand(batch, dtype=torch.float64)
     for strategy in ("ghost", "direct"):
-        slot = ParamGradient("w", torch.empty(groups * p, d), batch, strategy)
+        slot = ParamGradient("w", (groups * p, d), batch, strategy)
         slot.add(block, "test")
         torch.testing.assert_close(slot.norm_sq(), per_sample.flatten(1).square().sum(1))
         torch.testing.assert_close(slot.clipped_sum(coef), torch.einsum("b,bpd->pd", coef, per_sample))
@@ -98,7 +98,7 @@ def test_half_precision_factors_accumulate_in_float32():
     block = OuterGrad(left, right)
     exact = _dense(block).flatten(1).square().sum(1)
     for strategy in ("ghost", "direct"):
-        slot = ParamGradient("w", torch.empty(5, 3), 2, strategy)
+        slot = ParamGradient("w", (5, 3), 2, strategy)
         slot.add(block, "test")
         got = slot.norm_sq()
         assert got.dtype == torch.float32

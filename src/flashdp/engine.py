@@ -11,6 +11,7 @@ One `backward(loss)`:
 from __future__ import annotations
 
 import secrets
+from collections.abc import Hashable
 from typing import Literal
 
 import torch
@@ -72,7 +73,8 @@ class DPEngine:
         self.max_grad_norm = float(max_grad_norm)
         self.clipping = clipping
         self.norm_strategy = norm_strategy
-        self._scan: ModelScan = scan_model(model)
+        self._dist = adapter_for(model, secure_rng=secure_rng)  # inspects the wrapper; attach() changes it
+        self._scan: ModelScan = scan_model(model, self._dist.param_views)
         self._trainable_names = _trainable_names(model)
         self.optimizer = optimizer
         if optimizer is not None:
@@ -87,11 +89,10 @@ class DPEngine:
         self._timer = PhaseTimer(profiling_requested(profile))
         if secure_rng:  # checked before the adapter changes anything on a wrapper
             self._noise = NoiseSource(seed, secure=True)
-            self._dist = adapter_for(model, secure_rng=True)
         else:
-            self._dist = adapter_for(model)
             self._noise = NoiseSource(self._dist.noise_seed(secrets.randbits(63) if seed is None else seed))
         self._dist.timer = self._timer
+        self._dist.attach()
         self._accountant = Accountant(settings.accountant)
         self._backward_since_step = False
         self._recorder: Recorder | None = Recorder(self._scan.layers, on_call=self._timer.forward_started)
@@ -118,7 +119,7 @@ class DPEngine:
         self._backward_since_step = True
         if batch == 0:
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
-        second_pass = self.mode in ("ghost", "flash") and self.clipping != "per_layer"
+        second_pass = self.mode in ("ghost", "flash") and self.clipping != "per_layer" and self._dist.second_backward
         with self._timer.phase("norm pass"), self._dist.norm_pass():
             outputs_grads = torch.autograd.grad(
                 loss.sum(), [c.edge for c in calls], retain_graph=second_pass, allow_unused=True
@@ -141,7 +142,8 @@ class DPEngine:
         if not second_pass:
             with torch.no_grad(), kernels_backend(self.kernels), self._timer.phase("second pass / bk sums"):
                 for param, grad in grads:
-                    self._dist.accumulate(param.param, grad.clipped_sum(coef[param.group]))
+                    self._dist.accumulate(param, grad.clipped_sum(coef[param.group]))
+                self._dist.accumulation_done()
         else:
             del grads
             with self._timer.phase("second pass / bk sums"):
@@ -151,7 +153,7 @@ class DPEngine:
     def _per_sample_gradients(
         self, calls: list[Call], outputs_grads: tuple, batch: int, keep_for_sum: bool
     ) -> list[tuple[TrainableParam, ParamGradient]]:
-        by_param: dict[int, tuple[TrainableParam, ParamGradient]] = {}
+        by_param: dict[Hashable, tuple[TrainableParam, ParamGradient]] = {}
         for call, grad_at_edge in zip(calls, outputs_grads, strict=True):
             layer = call.layer
             if grad_at_edge is None:
@@ -187,10 +189,10 @@ class DPEngine:
                 )
             for name in layer.trainable:
                 tracked = self._scan.slots[(id(layer.module), name)]
-                if id(tracked.param) not in by_param:
-                    slot = ParamGradient(tracked.name, tracked.param, batch, self.norm_strategy, keep_for_sum)
-                    by_param[id(tracked.param)] = (tracked, slot)
-                by_param[id(tracked.param)][1].add(per_sample[name], layer.label)
+                if tracked.key not in by_param:
+                    slot = ParamGradient(tracked.name, tracked.shape, batch, self.norm_strategy, keep_for_sum)
+                    by_param[tracked.key] = (tracked, slot)
+                by_param[tracked.key][1].add(per_sample[name], layer.label)
         if not by_param:
             raise FlashDPError(
                 "The loss does not depend on any trainable layer recorded in the last forward pass: compute the "
@@ -222,7 +224,7 @@ class DPEngine:
                 "least one backward (an empty Poisson batch counts: call backward on its empty loss)."
             )
         std = self.noise_multiplier * self.max_grad_norm
-        params = [tracked.param for tracked in self._scan.params]
+        params = self._dist.gradient_holders(self._scan.params)
         with torch.no_grad():
             for p in params:
                 if p.grad is None:
@@ -239,6 +241,7 @@ class DPEngine:
         with self._timer.phase("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad()
+            self._dist.zero_grad()
         self._accountant.step(self.noise_multiplier, self.sample_rate or 0.0)
         self._backward_since_step = False
         self._timer.report(self.steps)

@@ -26,13 +26,13 @@ class ParamGradient:
     def __init__(
         self,
         name: str,
-        param: Tensor,
+        shape: torch.Size,
         batch_size: int,
         strategy: StrategyChoice = "auto",
         keep_for_sum: bool = True,
     ) -> None:
         self.name = name
-        self.shape = param.shape
+        self.shape = torch.Size(shape)
         self.batch_size = batch_size
         self.strategy_choice = strategy
         self.keep_for_sum = keep_for_sum

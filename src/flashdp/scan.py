@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from flashdp.errors import FlashDPError
 from flashdp.rules import RuleMatch, find_rule
@@ -30,12 +32,39 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class ParamView:
+    """A module's trainable parameter as its wrapper presents it (whole, a shard, or a view into a flat buffer)."""
+
+    #: what the module holds now
+    tensor: Tensor
+    #: equal for one parameter shared by several modules (tied weights): their contributions are summed
+    key: Hashable
+    #: the full, unsharded shape, which per-sample gradients have
+    shape: torch.Size
+
+
+#: a module's own trainable parameters by name, as the wrapper around the model presents them
+ParamViews = Callable[[nn.Module], dict[str, ParamView]]
+
+
+def local_param_views(module: nn.Module) -> dict[str, ParamView]:
+    """Parameters registered on the module itself (also FSDP2's DTensors, whose shape is the full one)."""
+    return {
+        name: ParamView(p, id(p), p.shape)
+        for name, p in module._parameters.items()
+        if p is not None and p.requires_grad
+    }
+
+
+@dataclass(frozen=True)
 class TrainableParam:
     """A trainable parameter, once, with its name and its clipping group (layers sharing it form one group)."""
 
     name: str
-    param: nn.Parameter
+    param: Tensor
     group: int
+    key: Hashable
+    shape: torch.Size
 
 
 @dataclass(frozen=True)
@@ -48,14 +77,15 @@ class ModelScan:
     slots: dict[tuple[int, str], TrainableParam]
 
 
-def scan_model(model: nn.Module) -> ModelScan:
+def scan_model(model: nn.Module, param_views: ParamViews = local_param_views) -> ModelScan:
     """Find every trainable layer and its rule; fail loudly on anything that cannot be clipped exactly."""
     _refuse_sample_mixing(model)
     layers, problems = [], []
-    owners: dict[int, list[int]] = {}  # id(param) -> indices of the layers that own it
-    names: dict[int, tuple[str, nn.Parameter]] = {}
+    owners: dict[Hashable, list[int]] = {}  # parameter key -> indices of the layers that own it
+    names: dict[Hashable, tuple[str, ParamView]] = {}
+    slot_keys: dict[tuple[int, str], Hashable] = {}
     for path, module in model.named_modules():
-        own = {n: p for n, p in module._parameters.items() if p is not None and p.requires_grad}
+        own = param_views(module)
         if not own:
             continue
         match = find_rule(module)
@@ -63,9 +93,10 @@ def scan_model(model: nn.Module) -> ModelScan:
         if problem:
             problems.append(problem)
             continue
-        for name, param in own.items():
-            owners.setdefault(id(param), []).append(len(layers))
-            names.setdefault(id(param), (f"{path}.{name}" if path else name, param))
+        for name, view in own.items():
+            owners.setdefault(view.key, []).append(len(layers))
+            names.setdefault(view.key, (f"{path}.{name}" if path else name, view))
+            slot_keys[(id(module), name)] = view.key
         layers.append(Layer(path, module, match, tuple(own)))
     if problems:
         raise FlashDPError(
@@ -79,13 +110,14 @@ def scan_model(model: nn.Module) -> ModelScan:
             "The model has no trainable parameters (none with requires_grad=True): nothing to train privately."
         )
     group_of_layer = _union_groups(len(layers), owners.values())
-    tracked = {pid: TrainableParam(name, p, group_of_layer[owners[pid][0]]) for pid, (name, p) in names.items()}
+    tracked = {
+        key: TrainableParam(name, view.tensor, group_of_layer[owners[key][0]], key, view.shape)
+        for key, (name, view) in names.items()
+    }
     group_names = [""] * (max(group_of_layer) + 1)
     for layer, group in zip(layers, group_of_layer, strict=True):
         group_names[group] = group_names[group] or layer.path
-    slots = {
-        (id(layer.module), n): tracked[id(layer.module._parameters[n])] for layer in layers for n in layer.trainable
-    }
+    slots = {slot: tracked[key] for slot, key in slot_keys.items()}
     return ModelScan(layers, list(tracked.values()), group_names, slots)
 
 

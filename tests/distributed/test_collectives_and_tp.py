@@ -12,12 +12,13 @@ from tests.distributed.test_data_parallel import _data, _loss, _model, wrap
 GRADIENT_COLLECTIVES = ("allreduce", "all_reduce", "reduce_scatter")
 
 
-def _count_backward_collectives(rank: int, wrapper: str) -> dict:
+def _count_backward_collectives(rank: int, wrapper: str, mode: str) -> dict:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.profiler import ProfilerActivity, profile
 
     wrapped = wrap(_model(), wrapper)
     engine = flashdp.make_private(
-        wrapped, mode="bk", max_grad_norm=1.0, noise_multiplier=0.0,
+        wrapped, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0,
         optimizer=torch.optim.SGD(wrapped.parameters(), lr=0.1), expected_batch_size=8, sample_rate=0.1,
     )  # fmt: skip
     ids = _data()[rank * 4 : rank * 4 + 4]
@@ -26,15 +27,23 @@ def _count_backward_collectives(rank: int, wrapper: str) -> dict:
         engine.backward(loss)
     names = [e.name for e in prof.events() if e.name.startswith("c10d::")]
     gradient = [n for n in names if any(k in n for k in GRADIENT_COLLECTIVES)]
-    return {"gradient_collectives": gradient, "params": len(list(wrapped.parameters()))}
+    return {
+        "gradient_collectives": gradient,
+        "params": len(list(wrapped.parameters())),
+        "fsdp1_units": len(FullyShardedDataParallel.fsdp_modules(wrapped)),
+        "fsdp2_units": sum(isinstance(m, FSDPModule) for m in wrapped.modules()),
+    }
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
-def test_bk_backward_runs_no_gradient_collective_of_its_own(wrapper):
-    """The norm pass syncs nothing; under FSDP2 the only reductions are flashdp's, one reduce-scatter per
-    parameter of the clipped sums; under DDP the reduction waits for step()."""
-    for rank in run(_count_backward_collectives, wrapper):
-        expected = rank["params"] if wrapper == "fsdp2" else 0
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2", "fsdp1", "fsdp1-orig"])
+def test_backward_runs_only_the_gradient_collectives_of_its_clipped_sums(wrapper, mode):
+    """The norm pass syncs nothing. The clipped sums: under DDP reduced at step(); under FSDP2 bk reduce-scatters
+    once per parameter, ghost's second backward once per unit (FSDP2's own); under FSDP1 (one backward in every
+    mode) one reduce-scatter per unit."""
+    for rank in run(_count_backward_collectives, wrapper, mode):
+        fsdp2 = rank["params"] if mode == "bk" else rank["fsdp2_units"]
+        expected = {"ddp": 0, "fsdp2": fsdp2}.get(wrapper, rank["fsdp1_units"])
         assert len(rank["gradient_collectives"]) == expected, rank["gradient_collectives"]
 
 

@@ -1,11 +1,12 @@
-"""DDP and FSDP2 on 2 gloo processes: every rank ends with the update of one process holding the global batch."""
+"""DDP, FSDP2 and FSDP1 on 2 gloo processes: every rank ends with the update of one process holding the global
+batch."""
 
 import pytest
 import torch
 from torch import nn
 
 import flashdp
-from tests.distributed.launch import run
+from tests.distributed.launch import WORLD, run
 
 BATCH = 8  # global; rank r holds samples [r * 4, r * 4 + 4)
 LR = 0.5
@@ -38,17 +39,31 @@ def _train(model, wrapped, ids, mode, noise, micro, seed=None):
     return norms
 
 
-def _full(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+def _full_params(wrapped: nn.Module) -> list[torch.Tensor]:
+    """The full parameters in the unwrapped model's order (FSDP1 gathers them; FSDP2 DTensors gather themselves)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(wrapped, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(wrapped):
+            return [p.detach().clone() for p in wrapped.module.parameters()]
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in wrapped.parameters()]
+
+
+WRAPPERS = ["ddp", "fsdp2", "fsdp1", "fsdp1-orig"]
 
 
 def wrap(model: nn.Module, wrapper: str) -> nn.Module:
-    """DDP, or FSDP2 with the embedding and both Linears sharded on their own, then the root."""
-    from torch.distributed.fsdp import fully_shard
+    """DDP; FSDP2 with the embedding and both Linears sharded on their own, then the root; FSDP1 (fsdp1-orig:
+    use_orig_params=True) with the middle Linear its own unit and the rest in the root's flat parameter."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     if wrapper == "ddp":
         return DistributedDataParallel(model)
+    if wrapper.startswith("fsdp1"):
+        options = {"device_id": torch.device("cpu"), "use_orig_params": wrapper == "fsdp1-orig"}
+        model[2] = FullyShardedDataParallel(model[2], **options)
+        return FullyShardedDataParallel(model, **options)
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer)
     return fully_shard(model)
@@ -59,7 +74,7 @@ def _rank_run(rank: int, wrapper: str, mode: str, noise: float, seed):
     ids = _data()[rank * 4 : rank * 4 + 4]
     wrapped = wrap(model, wrapper)
     norms = _train(model, wrapped, ids, mode, noise, micro=3, seed=seed)
-    params = [_full(p) for p in wrapped.parameters()]
+    params = _full_params(wrapped)
     locals_ = [p.to_local().clone() if hasattr(p, "to_local") else p.detach().clone() for p in wrapped.parameters()]
     return {"norms": norms, "params": params, "local": locals_}
 
@@ -70,7 +85,7 @@ def _single_process(mode: str):
     return norms, [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrapper", WRAPPERS)
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
 def test_update_equals_one_process_on_the_union_batch(wrapper, mode):
     ranks = run(_rank_run, wrapper, mode, 0.0, None)
@@ -89,7 +104,7 @@ def _noise_only(ranks_with, ranks_without) -> list[list[torch.Tensor]]:
     ]
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2", "fsdp1"])
 def test_noise_once_per_coordinate_with_the_right_std(wrapper):
     noisy = run(_rank_run, wrapper, "bk", 1.0, 3)  # seeded: the std check below is then deterministic
     clean = run(_rank_run, wrapper, "bk", 0.0, 3)
@@ -103,14 +118,18 @@ def test_noise_once_per_coordinate_with_the_right_std(wrapper):
         full_noisy = torch.cat([p.flatten() for p in noisy[0]["params"]])
         full_clean = torch.cat([p.flatten() for p in clean[0]["params"]])
         assert torch.equal(full_noisy, torch.cat([p.flatten() for p in noisy[1]["params"]]))
-        assert (full_noisy - full_clean).numel() == coords.numel()
+        padding = coords.numel() - full_noisy.numel()  # FSDP1 pads each flat parameter to a multiple of WORLD
+        assert padding == 0 if wrapper == "fsdp2" else 0 <= padding < 2 * (WORLD - 1) + 1
+        assert abs((full_noisy - full_clean).std().item() / expected_std - 1) < 0.15
     assert abs(coords.std().item() / expected_std - 1) < 0.15  # ~300 coordinates
 
 
-def test_fsdp2_shards_draw_independent_noise():
-    noisy = run(_rank_run, "fsdp2", "bk", 1.0, 5)
-    clean = run(_rank_run, "fsdp2", "bk", 0.0, 5)
-    # the embedding weight: the first parameter noised, so equal generators would give equal leading values
+@pytest.mark.parametrize("wrapper", ["fsdp2", "fsdp1"])
+def test_shards_draw_independent_noise(wrapper):
+    noisy = run(_rank_run, wrapper, "bk", 1.0, 5)
+    clean = run(_rank_run, wrapper, "bk", 0.0, 5)
+    # the first local tensor noised (FSDP2: the embedding's shard, FSDP1: the root's flat shard), so equal
+    # generators would give equal leading values
     first, second = (rank[0].flatten() for rank in _noise_only(noisy, clean))
     n = min(len(first), len(second))
     # equal generators leave only rounding between the two (1e-6 of the noise); independent ones differ by O(1)

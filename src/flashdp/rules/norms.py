@@ -73,14 +73,17 @@ def hf_rms_norm_grads(module: nn.Module, inputs: tuple, grad_output: Tensor, tra
 
 
 def is_hf_rms_norm(module: nn.Module) -> bool:
-    """LlamaRMSNorm / T5LayerNorm style: a 1-D `weight`, a `variance_epsilon`, no bias."""
+    """LlamaRMSNorm / T5LayerNorm style: a 1-D `weight`, a `variance_epsilon`, no bias.
+
+    The weight may be a plain tensor view: FSDP1 (use_orig_params=False) unregisters the original parameters.
+    """
     weight = getattr(module, "weight", None)
     return (
-        isinstance(weight, nn.Parameter)
+        isinstance(weight, Tensor)
         and weight.dim() == 1
         and isinstance(getattr(module, "variance_epsilon", None), float)
         and getattr(module, "bias", None) is None
-        and set(dict(module.named_parameters(recurse=False))) == {"weight"}
+        and set(dict(module.named_parameters(recurse=False))) <= {"weight"}
     )
 
 

@@ -1,0 +1,49 @@
+"""DistributedDataParallel: replicated parameters, one all-reduce of the clipped sums per step."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from flashdp.distributed.adapter import Adapter
+
+
+class DDPAdapter(Adapter):
+    """DDP's own bucketed all-reduce is switched off while the engine is attached (it would average partial,
+    unclipped gradients, and expects every parameter's gradient in the backward after each forward); the engine
+    sums the clipped gradients itself, once per step, and every rank draws the same noise.
+    """
+
+    def __init__(self, ddp: nn.parallel.DistributedDataParallel, broadcast_noise: bool) -> None:
+        self.ddp = ddp
+        self.broadcast_noise = broadcast_noise
+        self.group = ddp.process_group
+        self.world_size = dist.get_world_size(self.group)
+        self._sync_before = ddp.require_backward_grad_sync
+
+    def attach(self) -> None:
+        self.ddp.require_backward_grad_sync = False
+
+    def reduce_gradients(self, params: list[Tensor]) -> None:
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def noise_seed(self, seed: int) -> int:
+        shared = torch.tensor([seed], dtype=torch.int64)
+        dist.broadcast(shared, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return int(shared.item())
+
+    def shared_noise(self, noise: Tensor) -> Tensor:
+        """Equal seeds already give equal noise; the OS CSPRNG (secure_rng) does not, so rank 0's is sent."""
+        if self.broadcast_noise:
+            dist.broadcast(noise, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return noise
+
+    def detach(self) -> None:
+        self.ddp.require_backward_grad_sync = self._sync_before

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
@@ -107,10 +108,15 @@ def poisson_loader(
     )
 
 
-def micro_batches(batch: Any, max_size: int) -> Iterator[Any]:
+def micro_batches(batch: Any, max_size: int, *, group: dist.ProcessGroup | None = None) -> Iterator[Any]:
     """Split a batch (a tensor, or tuples / lists / dicts of tensors sharing the leading dim) into pieces of at
     most `max_size` samples, so memory stays bounded whatever size the Poisson sampler drew. An empty batch
-    yields itself once, so that `engine.backward` still runs before `engine.step`."""
+    yields itself once, so that `engine.backward` still runs before `engine.step`.
+
+    group: under FSDP, whose forward and backward run collectives, every rank must run as many micro-batches as
+    the others; with the data-parallel group here, ranks that drew fewer samples add empty micro-batches (one
+    all-reduce of the count). Call it on every rank of the group then.
+    """
     if max_size < 1:
         raise FlashDPError(f"max_size must be at least 1. Received {max_size!r}.")
     sizes = {t.shape[0] for t in _tensors(batch)}
@@ -119,8 +125,14 @@ def micro_batches(batch: Any, max_size: int) -> Iterator[Any]:
             f"micro_batches: every tensor of the batch must share the leading (batch) dim. Received sizes {sizes}."
         )
     size = sizes.pop()
-    for start in range(0, max(size, 1), max_size):
-        yield _map_tensors(batch, lambda t, s=start: t[s : s + max_size])
+    pieces = max(1, -(-size // max_size))
+    if group is not None:
+        nccl = dist.get_backend(group) == "nccl"
+        count = torch.tensor([pieces], dtype=torch.int64, device="cuda" if nccl else "cpu")
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        pieces = int(count.item())
+    for piece in range(pieces):  # past the end, slices are empty
+        yield _map_tensors(batch, lambda t, s=piece * max_size: t[s : s + max_size])
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:

@@ -117,8 +117,9 @@ class DPEngine:
             )
         batch = loss.shape[0]
         self._backward_since_step = True
-        if batch == 0:
+        if batch == 0 and self._dist.world_size == 1:
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
+        # an empty batch on one rank of several still runs every pass: the wrappers' collectives must match
         second_pass = self.mode in ("ghost", "flash") and self.clipping != "per_layer" and self._dist.second_backward
         with self._timer.phase("norm pass"), self._dist.norm_pass():
             outputs_grads = torch.autograd.grad(
@@ -178,9 +179,14 @@ class DPEngine:
                     f"called on a batch of {call.batch_size} (its output's first dim). flashdp needs the batch as "
                     "the first dim of every layer's input and output, and one loss per sample."
                 )
-            per_sample = layer.match.rule.per_sample_grads(
-                layer.module, call.inputs, grad_output, frozenset(layer.trainable)
-            )
+            if batch == 0:  # a rank without samples this step: nothing to add, but the same parameters as others
+                per_sample = {
+                    n: grad_output.new_zeros(0, *self._scan.slots[(id(layer.module), n)].shape) for n in layer.trainable
+                }
+            else:
+                per_sample = layer.match.rule.per_sample_grads(
+                    layer.module, call.inputs, grad_output, frozenset(layer.trainable)
+                )
             missing = set(layer.trainable) - set(per_sample)
             if missing:
                 raise FlashDPError(

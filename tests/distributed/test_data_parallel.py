@@ -3,6 +3,7 @@ batch."""
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import flashdp
@@ -27,13 +28,14 @@ def _loss(model, ids) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.transpose(1, 2), ids, reduction="none").mean(1)
 
 
-def _train(model, wrapped, ids, mode, noise, micro, seed=None):
+def _train(model, wrapped, ids, mode, noise, micro, seed=None, group=None):
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     engine = flashdp.make_private(
         wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=noise, optimizer=optimizer,
         expected_batch_size=BATCH, sample_rate=0.1, seed=seed,
     )  # fmt: skip
-    norms = torch.cat([engine.backward(_loss(wrapped, part)) for part in flashdp.micro_batches(ids, micro)])
+    parts = flashdp.micro_batches(ids, micro, group=group)
+    norms = torch.cat([engine.backward(_loss(wrapped, part)) for part in parts])
     engine.step()
     engine.detach()
     return norms
@@ -134,3 +136,26 @@ def test_shards_draw_independent_noise(wrapper):
     n = min(len(first), len(second))
     # equal generators leave only rounding between the two (1e-6 of the noise); independent ones differ by O(1)
     assert (first[:n] - second[:n]).abs().max() > 0.1 * first.abs().max()
+
+
+def _rank_with_empty_batch(rank: int, wrapper: str, mode: str):
+    """Rank 1 draws no sample this step (Poisson sampling per rank does that); it must still take part, in as
+    many micro-batches as rank 0 (FSDP's forward and backward run collectives)."""
+    model = _model()
+    ids = _data()[:4] if rank == 0 else _data()[:0]
+    wrapped = wrap(model, wrapper)
+    norms = _train(model, wrapped, ids, mode, 0.0, micro=3, group=dist.group.WORLD)
+    return {"norms": norms, "params": _full_params(wrapped)}
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_rank_with_an_empty_batch_takes_part_in_the_step(wrapper, mode):
+    ranks = run(_rank_with_empty_batch, wrapper, mode)
+    model = _model()
+    expected_norms = _train(model, model, _data()[:4], mode, noise=0.0, micro=BATCH)
+    assert ranks[1]["norms"].shape == (0,)
+    torch.testing.assert_close(ranks[0]["norms"], expected_norms, rtol=1e-5, atol=1e-6)
+    for rank in ranks:
+        for got, expected in zip(rank["params"], model.parameters(), strict=True):
+            torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)

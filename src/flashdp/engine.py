@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from flashdp.clipping import CLIPPING_STYLES, Clipping, clip_coefficients
 from flashdp.distributed import adapter_for
+from flashdp.distributed.checks import check_global_batch, check_norm_group, check_same_samples
 from flashdp.errors import FlashDPError
 from flashdp.kernels import BACKENDS, Backend, triton_unavailable_reason
 from flashdp.kernels import backend as kernels_backend
@@ -86,15 +87,19 @@ class DPEngine:
         if norm_group is not None and not dist.is_initialized():
             raise FlashDPError("norm_group needs torch.distributed to be initialised (dist.init_process_group).")
         self.norm_group = norm_group
+        self._norm_group_checked = norm_group is None
         self._timer = PhaseTimer(profiling_requested(profile))
         if secure_rng:  # checked before the adapter changes anything on a wrapper
             self._noise = NoiseSource(seed, secure=True)
         else:
             self._noise = NoiseSource(self._dist.noise_seed(secrets.randbits(63) if seed is None else seed))
         self._dist.timer = self._timer
+        if norm_group is not None:
+            check_norm_group(norm_group, self._dist.group)
         self._dist.attach()
         self._accountant = Accountant(settings.accountant)
         self._backward_since_step = False
+        self._samples_since_step = 0
         self._recorder: Recorder | None = Recorder(self._scan.layers, on_call=self._timer.forward_started)
         self.strategies: dict[str, str] = {}
 
@@ -117,6 +122,10 @@ class DPEngine:
             )
         batch = loss.shape[0]
         self._backward_since_step = True
+        self._samples_since_step += batch
+        if not self._norm_group_checked:
+            check_same_samples(loss, self.norm_group)
+            self._norm_group_checked = True
         if batch == 0 and self._dist.world_size == 1:
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
         # an empty batch on one rank of several still runs every pass: the wrappers' collectives must match
@@ -229,6 +238,8 @@ class DPEngine:
                 "engine.step() called with no engine.backward() since the last step: each step must follow at "
                 "least one backward (an empty Poisson batch counts: call backward on its empty loss)."
             )
+        if self._dist.group is not None:
+            check_global_batch(self.expected_batch_size, self._samples_since_step, self._dist.group)
         std = self.noise_multiplier * self.max_grad_norm
         params = self._dist.gradient_holders(self._scan.params)
         with torch.no_grad():
@@ -250,6 +261,7 @@ class DPEngine:
             self._dist.zero_grad()
         self._accountant.step(self.noise_multiplier, self.sample_rate or 0.0)
         self._backward_since_step = False
+        self._samples_since_step = 0
         self._timer.report(self.steps)
 
     def epsilon(self, delta: float) -> float:

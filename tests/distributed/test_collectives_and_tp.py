@@ -88,3 +88,49 @@ def test_norm_group_gives_the_norms_of_the_unsplit_layer():
         torch.testing.assert_close(result["norms"], expected)
         torch.testing.assert_close(result["weight_grad"], full.weight.grad[rank * rows : (rank + 1) * rows])
         torch.testing.assert_close(result["bias_grad"], full.bias.grad[rank * rows : (rank + 1) * rows])
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except flashdp.FlashDPError as error:
+        return str(error)
+    return "no error"
+
+
+def _norm_group_over_data_parallel_ranks(rank: int) -> str:
+    wrapped = wrap(_model(), "ddp")
+    return _error_of(
+        lambda: flashdp.make_private(wrapped, max_grad_norm=1.0, noise_multiplier=0.0, norm_group=dist.group.WORLD)
+    )
+
+
+def _norm_group_without_tensor_parallel_layers(rank: int) -> str:
+    model = _model()  # replicated, each rank its own samples: nothing is split
+    engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0, norm_group=dist.group.WORLD)
+    return _error_of(lambda: engine.backward(_loss(model, _data()[rank * 4 : rank * 4 + 4])))
+
+
+def _per_rank_expected_batch_size(rank: int) -> str:
+    torch.manual_seed(0)
+    wrapped = wrap(nn.Linear(3, 1), "ddp")
+    engine = flashdp.make_private(
+        wrapped, max_grad_norm=1.0, noise_multiplier=0.0, optimizer=torch.optim.SGD(wrapped.parameters(), lr=0.1),
+        expected_batch_size=64,  # each rank's batch, not the global 128
+    )  # fmt: skip
+    x = torch.randn(64, 3, generator=torch.Generator().manual_seed(rank))
+    engine.backward(wrapped(x).square().sum(1))
+    return _error_of(engine.step)
+
+
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        (_norm_group_over_data_parallel_ranks, "shares ranks [0, 1] with the model's data-parallel group"),
+        (_norm_group_without_tensor_parallel_layers, "computed different per-sample losses"),
+        (_per_rank_expected_batch_size, "128 samples over 2 ranks, implausibly many for expected_batch_size=64"),
+    ],
+)
+def test_a_bad_distributed_setup_is_explained(setup, expected):
+    for message in run(setup):
+        assert expected in message, message

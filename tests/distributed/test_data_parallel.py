@@ -66,9 +66,14 @@ def wrap(model: nn.Module, wrapper: str) -> nn.Module:
         options = {"device_id": torch.device("cpu"), "use_orig_params": wrapper == "fsdp1-orig"}
         model[2] = FullyShardedDataParallel(model[2], **options)
         return FullyShardedDataParallel(model, **options)
+    options = {}
+    if wrapper == "fsdp2-bf16":  # bf16 compute, fp32 sharded parameters and reduction
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in (model[0], model[2], model[4]):
-        fully_shard(layer)
-    return fully_shard(model)
+        fully_shard(layer, **options)
+    return fully_shard(model, **options)
 
 
 def _rank_run(rank: int, wrapper: str, mode: str, noise: float, seed):
@@ -159,3 +164,17 @@ def test_a_rank_with_an_empty_batch_takes_part_in_the_step(wrapper, mode):
     for rank in ranks:
         for got, expected in zip(rank["params"], model.parameters(), strict=True):
             torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_fsdp2_mixed_precision_matches_fp32_to_bf16_accuracy(mode):
+    ranks = run(_rank_run, "fsdp2-bf16", mode, 0.0, None)
+    expected_norms, expected_params = _single_process(mode)
+    initial = list(_model().parameters())
+    torch.testing.assert_close(torch.cat([r["norms"] for r in ranks]), expected_norms, rtol=2e-2, atol=1e-3)
+    for rank in ranks:
+        for got, expected, start in zip(rank["params"], expected_params, initial, strict=True):
+            assert got.dtype == torch.float32
+            update, expected_update = got - start.detach(), expected - start.detach()
+            scale = expected_update.abs().max()
+            torch.testing.assert_close(update, expected_update, rtol=0, atol=0.03 * scale.item())

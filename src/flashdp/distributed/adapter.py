@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from flashdp.errors import FlashDPError
@@ -21,6 +22,8 @@ class Adapter:
     """A single process: gradients are local and whole."""
 
     world_size = 1
+    #: the data-parallel group, whose ranks hold different samples (None: one process)
+    group: dist.ProcessGroup | None = None
     #: the engine's PhaseTimer; collectives are timed as "communication"
     timer = PhaseTimer(False)
     #: whether ghost and flash may run a second backward over the graph of the norm pass

@@ -1,0 +1,62 @@
+"""Checks that catch a distributed set-up which would clip or average wrongly, with what to do instead."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from flashdp.errors import FlashDPError
+
+#: a global batch less likely than this under Poisson sampling with the declared mean is called a mistake
+IMPLAUSIBLE = 1e-9
+
+
+def check_norm_group(norm_group: dist.ProcessGroup, data_parallel: dist.ProcessGroup | None) -> None:
+    """The norm group must split samples, not hold different ones: it may share at most one rank with the
+    data-parallel group (each rank of which holds other samples)."""
+    if data_parallel is None:
+        return
+    shared = set(dist.get_process_group_ranks(norm_group)) & set(dist.get_process_group_ranks(data_parallel))
+    if len(shared) > 1:
+        raise FlashDPError(
+            f"norm_group shares ranks {sorted(shared)} with the model's data-parallel group (DDP / FSDP), whose ranks "
+            "hold different samples: summing their squared norms would clip each sample by the norm of several. "
+            "Pass as norm_group only the tensor-parallel group that splits each sample's computation, or none."
+        )
+
+
+def check_same_samples(loss: Tensor, norm_group: dist.ProcessGroup) -> None:
+    """Ranks of a tensor-parallel group compute the same samples, so the same per-sample losses `[B]`."""
+    sizes = torch.tensor([loss.shape[0], -loss.shape[0]], dtype=torch.int64, device=loss.device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=norm_group)
+    same_size = int(sizes[0]) == -int(sizes[1]) == loss.shape[0]
+    if same_size:
+        gathered = [torch.empty_like(loss) for _ in range(dist.get_world_size(norm_group))]
+        dist.all_gather(gathered, loss.detach().contiguous(), group=norm_group)
+        if all(torch.allclose(other, gathered[0], rtol=1e-3, atol=1e-5) for other in gathered):
+            return
+    raise FlashDPError(
+        "The ranks of norm_group computed different per-sample losses (or batch sizes), so they hold different "
+        "samples: norm_group must be the tensor-parallel group whose ranks split the same samples' computation. "
+        "For data parallelism pass no norm_group: norms are local to the rank holding the sample."
+    )
+
+
+def check_global_batch(expected_batch_size: int, local_samples: int, group: dist.ProcessGroup) -> None:
+    """The samples of one step, summed over the data-parallel ranks, against `expected_batch_size`."""
+    total = torch.tensor([local_samples], dtype=torch.float64)
+    if dist.get_backend(group) == "nccl":
+        total = total.cuda()
+    dist.all_reduce(total, group=group)
+    samples, mean = int(total.item()), float(expected_batch_size)
+    # Chernoff bound on a Poisson(mean) batch: P(X >= n) <= exp(-mean) (e mean / n)^n for n > mean
+    if samples > mean and -mean + samples * (1 + math.log(mean / samples)) < math.log(IMPLAUSIBLE):
+        world = dist.get_world_size(group)
+        raise FlashDPError(
+            f"This step's batch has {samples} samples over {world} ranks, implausibly many for "
+            f"expected_batch_size={expected_batch_size}: it looks per-rank. expected_batch_size is the GLOBAL "
+            f"logical batch (all ranks, all micro-batches of a step), e.g. {world} x your per-rank batch."
+        )

@@ -34,3 +34,24 @@ def test_quickstart_runs(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["quickstart.py", "--epochs", "0.5", "--epsilon", "5"])
     quickstart.main()
     assert "test accuracy" in capsys.readouterr().out
+
+
+def test_fsdp_llama_suite_runs_under_torchrun_and_plots(tmp_path):
+    """The documented command (`torchrun --nproc_per_node=2`), tiny: one JSON per run, then the figure and table."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "results"
+    tiny = ["--modes", "no_dp,bk,ghost", "--seq-lens", "8,16", "--batch", "2", "--steps", "1", "--warmup", "0",
+            "--d-model", "16", "--layers", "1", "--heads", "2", "--vocab", "32", "--out", str(out)]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    subprocess.run([*torchrun, str(EXAMPLES / "fsdp_llama.py"), *tiny], check=True, timeout=300)
+    runs = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    assert {(r["mode"], r["seq_len"]) for r in runs} == {(m, t) for m in ("no_dp", "bk", "ghost") for t in (8, 16)}
+    for r in runs:
+        assert r["world_size"] == 2 and r["global_batch"] == 4 and r["mean_step_s"] > 0
+    _load("plot_fsdp_llama").main([str(out)])
+    assert (out / "fsdp_llama.png").stat().st_size > 1000
+    summary = (out / "summary.md").read_text()
+    assert summary.count("| fsdp2 |") == 6 and "| bk | 16 |" in summary

@@ -425,9 +425,9 @@ def make_private(
             communication, second pass or bk sums, noise, optimizer). Default: the FLASHDP_PROFILE environment
             variable.
 
-    The model may be wrapped by DistributedDataParallel or sharded with FSDP2 (`fully_shard`); then
-    expected_batch_size and sample_rate are global (all ranks), and every rank ends with the update one process
-    holding the global batch would make.
+    The model may be wrapped by DistributedDataParallel or sharded with FSDP2 (`fully_shard`) or FSDP1
+    (`FullyShardedDataParallel`); then expected_batch_size and sample_rate are global (all ranks), and every rank
+    ends with the update one process holding the global batch would make.
     """
     privacy = {
         "noise_multiplier": noise_multiplier,

@@ -86,6 +86,13 @@ def add_to_grad(param: Tensor, value: Tensor) -> None:
         param.grad.add_(value.to(param.grad.dtype))
 
 
+def reduce_scatter_sum(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:
+    """`output` = this rank's 1 / world slice (along dim 0) of the sum over ranks of `input`."""
+    # reduce_scatter_single replaces the deprecated reduce_scatter_tensor in recent torch
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group)
+
+
 def adapter_for(model: nn.Module, secure_rng: bool = False) -> Adapter:
     """The adapter for how `model` is wrapped; it only inspects the wrapper until `attach()`."""
     from torch.distributed.fsdp import FullyShardedDataParallel

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flashdp.distributed.adapter import Adapter
+from flashdp.distributed.adapter import Adapter, reduce_scatter_sum
 from flashdp.errors import FlashDPError
 from flashdp.scan import ParamView, TrainableParam
 
@@ -128,7 +128,7 @@ class FSDP1Adapter(Adapter):
         flat = unit.flat_param
         shard = unit.buffer.new_empty(unit.shard_numel)
         with self.timer.phase("communication"):
-            dist.reduce_scatter_tensor(shard, unit.buffer, op=dist.ReduceOp.SUM, group=self.group)
+            reduce_scatter_sum(shard, unit.buffer, self.group)
         unit.buffer, unit.received = None, set()
         unit.grad = shard.to(flat.dtype) if unit.grad is None else unit.grad.add_(shard.to(unit.grad.dtype))
         self._expose(unit)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flashdp.distributed.adapter import Adapter, refuse_hybrid_sharding
+from flashdp.distributed.adapter import Adapter, reduce_scatter_sum, refuse_hybrid_sharding
 from flashdp.scan import TrainableParam
 
 
@@ -61,7 +61,7 @@ class FSDP2Adapter(Adapter):
         padded[:rows] = clipped_sum
         shard = padded.new_empty(chunk, *clipped_sum.shape[1:])
         with self.timer.phase("communication"):
-            dist.reduce_scatter_tensor(shard, padded, op=dist.ReduceOp.SUM, group=self.group)
+            reduce_scatter_sum(shard, padded, self.group)
         local_rows = max(0, min(chunk, rows - self.rank * chunk))
         local = shard[:local_rows].to(dtensor.dtype)
         if dtensor.grad is None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -22,8 +24,9 @@ def is_fsdp2(model: nn.Module) -> bool:
 
 class FSDP2Adapter(Adapter):
     """The norm pass runs with `set_requires_gradient_sync(False)`; the ghost second pass lets FSDP2
-    reduce-scatter (its mean, so the loss is scaled by the world size); bk sums are reduce-scattered into each
-    shard parameter by parameter; each rank noises its own shard with its own generator.
+    reduce-scatter (its mean, so the loss is scaled by the world size); bk sums are reduce-scattered into the
+    shards unit by unit (one collective once a unit's last trainable parameter has arrived); each rank noises its
+    own shard with its own generator.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -35,6 +38,17 @@ class FSDP2Adapter(Adapter):
         self.group = mesh.get_group()
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        # each parameter's unit: the innermost FSDPModule holding it
+        self._unit_of: dict[int, int] = {}
+        for unit, module in enumerate(self.fsdp_modules):
+            for p in module.parameters():
+                self._unit_of[id(p)] = unit  # inner units come later in modules() order and overwrite
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        self._trainable = [
+            {pid for pid, u in self._unit_of.items() if u == unit and pid in trainable}
+            for unit in range(len(self.fsdp_modules))
+        ]
+        self._pending: dict[int, dict[int, tuple[Tensor, Tensor]]] = {}  # unit -> id -> (DTensor, full clipped sum)
 
     @contextlib.contextmanager
     def norm_pass(self) -> Iterator[None]:
@@ -51,26 +65,44 @@ class FSDP2Adapter(Adapter):
         return float(self.world_size)  # FSDP2 reduce-scatters the mean over ranks
 
     def accumulate(self, param: TrainableParam, clipped_sum: Tensor) -> None:
-        """Reduce-scatter this rank's full-shape clipped sum into the local dim-0 shard of the DTensor's grad."""
+        unit = self._unit_of[id(param.param)]
+        pending = self._pending.setdefault(unit, {})
+        pending[id(param.param)] = (param.param, clipped_sum)
+        if pending.keys() >= self._trainable[unit]:
+            self._reduce_scatter(self._pending.pop(unit))
+
+    def accumulation_done(self) -> None:
+        for unit in sorted(self._pending):  # units with parameters this forward did not use
+            self._reduce_scatter(self._pending.pop(unit))
+
+    def _reduce_scatter(self, pending: dict[int, tuple[Tensor, Tensor]]) -> None:
+        """One reduce-scatter for a unit: row r of `send` is rank r's dim-0 chunk of every parameter."""
         from torch.distributed.tensor import DTensor
 
-        dtensor = param.param
-        rows = clipped_sum.shape[0]
-        chunk = -(-rows // self.world_size)
-        padded = clipped_sum.new_zeros(chunk * self.world_size, *clipped_sum.shape[1:])
-        padded[:rows] = clipped_sum
-        shard = padded.new_empty(chunk, *clipped_sum.shape[1:])
+        parts = list(pending.values())  # in accumulate order: the same on every rank
+        dtype = functools.reduce(torch.promote_types, (full.dtype for _, full in parts))
+        chunks = [-(-full.shape[0] // self.world_size) for _, full in parts]
+        blocks = []
+        for (_, full), chunk in zip(parts, chunks, strict=True):
+            padded = full.new_zeros(chunk * self.world_size, *full.shape[1:], dtype=dtype)
+            padded[: full.shape[0]] = full
+            blocks.append(padded.reshape(self.world_size, -1))
+        send = torch.cat(blocks, dim=1)  # [world, sum of chunk numels]
+        received = send.new_empty(send.shape[1])
         with self.timer.phase("communication"):
-            reduce_scatter_sum(shard, padded, self.group)
-        local_rows = max(0, min(chunk, rows - self.rank * chunk))
-        local = shard[:local_rows].to(dtensor.dtype)
-        if dtensor.grad is None:
-            dtensor.grad = DTensor.from_local(
-                local.contiguous(), dtensor.device_mesh, dtensor.placements, shape=dtensor.shape,
-                stride=dtensor.stride(),
-            )  # fmt: skip
-        else:
-            dtensor.grad.to_local().add_(local)
+            reduce_scatter_sum(received, send.reshape(-1), self.group)
+        for (dtensor, full), chunk, shard in zip(
+            parts, chunks, received.split([b.shape[1] for b in blocks]), strict=True
+        ):
+            local_rows = max(0, min(chunk, full.shape[0] - self.rank * chunk))
+            local = shard.view(chunk, *full.shape[1:])[:local_rows].to(dtensor.dtype)
+            if dtensor.grad is None:
+                dtensor.grad = DTensor.from_local(
+                    local.contiguous(), dtensor.device_mesh, dtensor.placements, shape=dtensor.shape,
+                    stride=dtensor.stride(),
+                )  # fmt: skip
+            else:
+                dtensor.grad.to_local().add_(local)
 
     def local_grad(self, param: Tensor) -> Tensor:
         return param.grad.to_local()

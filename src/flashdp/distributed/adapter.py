@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Hashable
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -84,6 +85,30 @@ def add_to_grad(param: Tensor, value: Tensor) -> None:
         param.grad = value.to(param.dtype)
     else:
         param.grad.add_(value.to(param.grad.dtype))
+
+
+class PerUnitSums:
+    """One backward's clipped sums grouped by the wrapper's unit (an FSDP-wrapped module).
+
+    A unit goes to `reduce(unit, sums)` as soon as all its trainable parameters have arrived, in arrival order
+    (the forward's, the same on every rank); `finish()` hands over, in unit order, the units the forward left
+    incomplete. So one collective per unit, and full-size sums are held one unit at a time.
+    """
+
+    def __init__(self, trainable: list[set[Hashable]], reduce: Callable[[int, dict[Hashable, Tensor]], None]) -> None:
+        self.trainable = trainable
+        self.reduce = reduce
+        self.pending: dict[int, dict[Hashable, Tensor]] = {}
+
+    def add(self, unit: int, key: Hashable, clipped_sum: Tensor) -> None:
+        sums = self.pending.setdefault(unit, {})
+        sums[key] = clipped_sum
+        if sums.keys() >= self.trainable[unit]:
+            self.reduce(unit, self.pending.pop(unit))
+
+    def finish(self) -> None:
+        for unit in sorted(self.pending):
+            self.reduce(unit, self.pending.pop(unit))
 
 
 def reduce_scatter_sum(output: Tensor, input: Tensor, group: dist.ProcessGroup) -> None:

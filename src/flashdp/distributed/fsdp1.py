@@ -9,8 +9,8 @@ contiguous slices. flashdp reads that layout from the flat parameter's metadata 
 - one backward only: FSDP1 removes its gradient hooks in the callback that ends a backward, so a second
   backward over the same forward would not reduce-scatter. ghost and flash therefore take their clipped sums
   from what the norm pass recorded, as bk does; the result is the same.
-- clipped sums: laid out in a buffer the size of the unit's unsharded flat parameter and reduce-scattered (SUM)
-  into the sharded flat gradient once the unit's last trainable parameter has arrived: one unit at a time.
+- clipped sums: once the unit's last trainable parameter has arrived, laid out in a buffer the size of the
+  unit's unsharded flat parameter and reduce-scattered (SUM) into the sharded flat gradient: one unit at a time.
 - noise: each rank adds it to its shard of every flat parameter, from its own generator.
 - limit: FSDP1 reshards a unit in the hook that follows its gradient accumulation, which the norm pass never
   reaches, so units gathered for the norm pass stay gathered until that pass ends (FSDP2 has no such limit).
@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flashdp.distributed.adapter import Adapter, reduce_scatter_sum
+from flashdp.distributed.adapter import Adapter, PerUnitSums, reduce_scatter_sum
 from flashdp.errors import FlashDPError
 from flashdp.scan import ParamView, TrainableParam
 
@@ -41,8 +41,6 @@ class _Unit:
     offsets: list[int]  # per original parameter, its start in the unsharded flat parameter
     numels: list[int]
     trainable: set[int]  # indices of the original parameters that require grad
-    buffer: Tensor | None = None  # [unsharded numel]: this backward's clipped sums, until reduce-scattered
-    received: set[int] = field(default_factory=set)
     #: [shard numel] this step's reduced clipped sums. The flat parameter's .grad is set to it after every
     #: backward, but FSDP1's forward and backward hooks may move or drop that .grad in between: this is the truth.
     grad: Tensor | None = None
@@ -73,24 +71,25 @@ class FSDP1Adapter(Adapter):
         self.rank = dist.get_rank(self.group)
         self.use_orig_params = units[0]._use_orig_params
         self.units = [_layout(unit) for unit in units]
-        # (id(module), attribute name) -> (unit index, parameter index), tied parameters mapped to their first owner
-        self._where: dict[tuple[int, str], tuple[int, int]] = {}
+        # id(module) -> attribute name -> (unit index, parameter index); tied parameters map to their first owner
+        self._where: dict[int, dict[str, tuple[int, int]]] = {}
         for u, unit in enumerate(self.units):
             flat = unit.flat_param
             for i, info in enumerate(flat._param_infos):
-                self._where[(id(info.module), info.param_name)] = (u, i)
+                self._where.setdefault(id(info.module), {})[info.param_name] = (u, i)
             for info in flat._shared_param_infos:
-                prim = self._where[(id(info.prim_module), info.prim_param_name)]
-                self._where[(id(info.module), info.param_name)] = prim
+                prim = self._where[id(info.prim_module)][info.prim_param_name]
+                self._where.setdefault(id(info.module), {})[info.param_name] = prim
+        self._sums = PerUnitSums([unit.trainable for unit in self.units], self._reduce_scatter)
 
     def param_views(self, module: nn.Module) -> dict[str, ParamView]:
-        views = {}
-        for (module_id, name), (u, i) in self._where.items():
-            if module_id == id(module) and i in self.units[u].trainable:
-                shape = self.units[u].flat_param._shapes[i]
-                views[name] = ParamView(getattr(module, name), (u, i), torch.Size(shape))
         from torch.distributed.fsdp._flat_param import FlatParameter
 
+        views = {
+            name: ParamView(getattr(module, name), (u, i), torch.Size(self.units[u].flat_param._shapes[i]))
+            for name, (u, i) in self._where.get(id(module), {}).items()
+            if i in self.units[u].trainable
+        }
         unmanaged = [
             n for n, p in module._parameters.items()
             if p is not None and p.requires_grad and n not in views and not isinstance(p, FlatParameter)
@@ -111,25 +110,21 @@ class FSDP1Adapter(Adapter):
 
     def accumulate(self, param: TrainableParam, clipped_sum: Tensor) -> None:
         u, i = param.key
-        unit = self.units[u]
-        if unit.buffer is None:
-            unit.buffer = clipped_sum.new_zeros(unit.shard_numel * self.world_size)
-        unit.buffer[unit.offsets[i] : unit.offsets[i] + unit.numels[i]] += clipped_sum.reshape(-1)
-        unit.received.add(i)
-        if unit.received >= unit.trainable:
-            self._reduce_scatter(unit)
+        self._sums.add(u, i, clipped_sum)
 
     def accumulation_done(self) -> None:
-        for unit in self.units:  # units with parameters this forward did not use
-            if unit.buffer is not None:
-                self._reduce_scatter(unit)
+        self._sums.finish()
 
-    def _reduce_scatter(self, unit: _Unit) -> None:
+    def _reduce_scatter(self, u: int, sums: dict[int, Tensor]) -> None:
+        """The unit's sums laid out as its unsharded flat parameter `[shard numel * world]`, reduce-scattered."""
+        unit = self.units[u]
         flat = unit.flat_param
-        shard = unit.buffer.new_empty(unit.shard_numel)
+        buffer = next(iter(sums.values())).new_zeros(unit.shard_numel * self.world_size)
+        for i, clipped_sum in sums.items():
+            buffer[unit.offsets[i] : unit.offsets[i] + unit.numels[i]] = clipped_sum.reshape(-1)
+        shard = buffer.new_empty(unit.shard_numel)
         with self.timer.phase("communication"):
-            reduce_scatter_sum(shard, unit.buffer, self.group)
-        unit.buffer, unit.received = None, set()
+            reduce_scatter_sum(shard, buffer, self.group)
         unit.grad = shard.to(flat.dtype) if unit.grad is None else unit.grad.add_(shard.to(unit.grad.dtype))
         self._expose(unit)
 
@@ -147,7 +142,7 @@ class FSDP1Adapter(Adapter):
         for unit in self.units:  # the sums are reduced already; step() made zeros where no backward reached
             if unit.trainable:
                 if unit.grad is None:
-                    unit.grad = torch.zeros_like(unit.flat_param)
+                    unit.grad = unit.flat_param.grad
                 self._expose(unit)
 
     def noise_seed(self, seed: int) -> int:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flashdp.distributed.adapter import Adapter, reduce_scatter_sum, refuse_hybrid_sharding
+from flashdp.distributed.adapter import Adapter, PerUnitSums, reduce_scatter_sum, refuse_hybrid_sharding
 from flashdp.scan import TrainableParam
 
 
@@ -43,12 +43,12 @@ class FSDP2Adapter(Adapter):
         for unit, module in enumerate(self.fsdp_modules):
             for p in module.parameters():
                 self._unit_of[id(p)] = unit  # inner units come later in modules() order and overwrite
-        trainable = {id(p) for p in model.parameters() if p.requires_grad}
-        self._trainable = [
-            {pid for pid, u in self._unit_of.items() if u == unit and pid in trainable}
-            for unit in range(len(self.fsdp_modules))
-        ]
-        self._pending: dict[int, dict[int, tuple[Tensor, Tensor]]] = {}  # unit -> id -> (DTensor, full clipped sum)
+        self._params = {id(p): p for p in model.parameters()}
+        trainable: list[set[int]] = [set() for _ in self.fsdp_modules]
+        for pid, unit in self._unit_of.items():
+            if self._params[pid].requires_grad:
+                trainable[unit].add(pid)
+        self._sums = PerUnitSums(trainable, self._reduce_scatter)
 
     @contextlib.contextmanager
     def norm_pass(self) -> Iterator[None]:
@@ -65,25 +65,19 @@ class FSDP2Adapter(Adapter):
         return float(self.world_size)  # FSDP2 reduce-scatters the mean over ranks
 
     def accumulate(self, param: TrainableParam, clipped_sum: Tensor) -> None:
-        unit = self._unit_of[id(param.param)]
-        pending = self._pending.setdefault(unit, {})
-        pending[id(param.param)] = (param.param, clipped_sum)
-        if pending.keys() >= self._trainable[unit]:
-            self._reduce_scatter(self._pending.pop(unit))
+        self._sums.add(self._unit_of[id(param.param)], id(param.param), clipped_sum)
 
     def accumulation_done(self) -> None:
-        for unit in sorted(self._pending):  # units with parameters this forward did not use
-            self._reduce_scatter(self._pending.pop(unit))
+        self._sums.finish()
 
-    def _reduce_scatter(self, pending: dict[int, tuple[Tensor, Tensor]]) -> None:
+    def _reduce_scatter(self, unit: int, sums: dict[int, Tensor]) -> None:
         """One reduce-scatter for a unit: row r of `send` is rank r's dim-0 chunk of every parameter."""
         from torch.distributed.tensor import DTensor
 
-        parts = list(pending.values())  # in accumulate order: the same on every rank
-        dtype = functools.reduce(torch.promote_types, (full.dtype for _, full in parts))
-        chunks = [-(-full.shape[0] // self.world_size) for _, full in parts]
+        dtype = functools.reduce(torch.promote_types, (full.dtype for full in sums.values()))
+        chunks = [-(-full.shape[0] // self.world_size) for full in sums.values()]
         blocks = []
-        for (_, full), chunk in zip(parts, chunks, strict=True):
+        for full, chunk in zip(sums.values(), chunks, strict=True):
             padded = full.new_zeros(chunk * self.world_size, *full.shape[1:], dtype=dtype)
             padded[: full.shape[0]] = full
             blocks.append(padded.reshape(self.world_size, -1))
@@ -91,9 +85,9 @@ class FSDP2Adapter(Adapter):
         received = send.new_empty(send.shape[1])
         with self.timer.phase("communication"):
             reduce_scatter_sum(received, send.reshape(-1), self.group)
-        for (dtensor, full), chunk, shard in zip(
-            parts, chunks, received.split([b.shape[1] for b in blocks]), strict=True
-        ):
+        shards = received.split([b.shape[1] for b in blocks])
+        for (pid, full), chunk, shard in zip(sums.items(), chunks, shards, strict=True):
+            dtensor = self._params[pid]
             local_rows = max(0, min(chunk, full.shape[0] - self.rank * chunk))
             local = shard.view(chunk, *full.shape[1:])[:local_rows].to(dtensor.dtype)
             if dtensor.grad is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 import statistics
@@ -135,8 +136,6 @@ def _release_freed_memory() -> None:
 @contextmanager
 def _run_scope(device: torch.device):
     yield
-    import gc
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -8,9 +8,12 @@ On CPU the torch references run; the Triton kernels join on a GPU (under the int
 import pytest
 import torch
 
-from flashdp import outer
-from flashdp.kernels import bk_sum, outer_norm
-from flashdp.rules.grads import OuterGrad
+from flashdp._pipeline import blocks
+from flashdp.kernels.clipped_sum import kernel as clipped_sum_kernel
+from flashdp.kernels.clipped_sum import reference as clipped_sum_reference
+from flashdp.kernels.outer_norm import kernel as outer_norm_kernel
+from flashdp.kernels.outer_norm import reference as outer_norm_reference
+from flashdp.per_sample import OuterGrad, TokenRows
 
 D = P = 256
 BATCH = 4
@@ -30,7 +33,7 @@ def _factors(seq: int):
 @pytest.mark.benchmark(group="linear direct norm")
 def test_direct_norm(benchmark, impl, seq):
     left, right = _factors(seq)
-    fn = outer_norm.outer_direct_norm_sq_triton if impl == "triton" else outer_norm.outer_direct_norm_sq_torch
+    fn = (outer_norm_kernel if impl == "triton" else outer_norm_reference).direct_norm_sq
     assert benchmark(fn, left, right).shape == (BATCH,)
 
 
@@ -39,7 +42,7 @@ def test_direct_norm(benchmark, impl, seq):
 @pytest.mark.benchmark(group="linear ghost norm")
 def test_ghost_norm(benchmark, impl, seq):
     left, right = _factors(seq)
-    fn = outer_norm.outer_ghost_norm_sq_triton if impl == "triton" else outer_norm.outer_ghost_norm_sq_torch
+    fn = (outer_norm_kernel if impl == "triton" else outer_norm_reference).ghost_norm_sq
     assert benchmark(fn, left, right).shape == (BATCH,)
 
 
@@ -49,7 +52,7 @@ def test_ghost_norm(benchmark, impl, seq):
 def test_clipped_sum(benchmark, impl, seq):
     left, right = _factors(seq)
     coef = torch.rand(BATCH, device=DEVICE)
-    fn = bk_sum.clipped_sum_triton if impl == "triton" else bk_sum.clipped_sum_torch
+    fn = (clipped_sum_kernel if impl == "triton" else clipped_sum_reference).clipped_sum
     assert benchmark(fn, left, right, coef).shape == (1, P, D)
 
 
@@ -58,5 +61,5 @@ def test_clipped_sum(benchmark, impl, seq):
 @pytest.mark.benchmark(group="embedding segment-sum norm")
 def test_embedding_norm(benchmark, impl, seq):
     ids = torch.randint(0, 4096, (BATCH, seq), device=DEVICE)
-    block = OuterGrad(outer.TokenRows(ids, 4096), torch.randn(BATCH, seq, D, device=DEVICE))
-    assert benchmark(outer.token_norm_sq, block, torch.float32).shape == (BATCH,)
+    block = OuterGrad(TokenRows(ids, 4096), torch.randn(BATCH, seq, D, device=DEVICE))
+    assert benchmark(blocks.token_norm_sq, block).shape == (BATCH,)

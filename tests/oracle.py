@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 import flashdp
+from flashdp.per_sample import OuterGrad, TokenRows
 
 #: loss_of(batch_slice) -> [b] per-sample losses of the samples in that slice.
 LossOf = Callable[[slice], Tensor]
@@ -101,3 +102,11 @@ def check_against_oracle(
             got[name], expected, rtol=rtol, atol=rtol * (1 + scale), msg=lambda m, name=name: f"{name}: {m}"
         )
     return norms
+
+
+def materialised(block: OuterGrad) -> Tensor:
+    """`[N, p, d]` per-sample gradients of an outer-product block, explicitly (one-hot rows for token blocks)."""
+    left = block.left
+    if isinstance(left, TokenRows):
+        left = torch.nn.functional.one_hot(left.ids, left.num_rows).double()
+    return torch.einsum("ntp,ntd->npd", left.double(), block.right.double())

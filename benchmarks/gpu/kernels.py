@@ -22,7 +22,12 @@ import torch
 
 
 def check_kernels() -> None:
-    from flashdp.kernels import bk_sum, norm_affine, outer_norm
+    from flashdp.kernels.clipped_sum import kernel as clipped_sum_kernel
+    from flashdp.kernels.clipped_sum import reference as clipped_sum_reference
+    from flashdp.kernels.norm_affine import kernel as norm_affine_kernel
+    from flashdp.kernels.norm_affine import reference as norm_affine_reference
+    from flashdp.kernels.outer_norm import kernel as outer_norm_kernel
+    from flashdp.kernels.outer_norm import reference as outer_norm_reference
 
     torch.manual_seed(0)
     rows = []
@@ -30,21 +35,21 @@ def check_kernels() -> None:
         left = torch.randn(3, 777, 300, device="cuda").to(dtype)
         right = torch.randn(3, 777, 211, device="cuda").to(dtype)
         coef = torch.rand(3, device="cuda")
-        exact = outer_norm.outer_direct_norm_sq_torch(left.double(), right.double())
+        exact = outer_norm_reference.direct_norm_sq(left.double(), right.double())
         for name, kernel, reference in [
-            ("direct norm", outer_norm.outer_direct_norm_sq_triton, outer_norm.outer_direct_norm_sq_torch),
-            ("ghost norm", outer_norm.outer_ghost_norm_sq_triton, outer_norm.outer_ghost_norm_sq_torch),
+            ("direct norm", outer_norm_kernel.direct_norm_sq, outer_norm_reference.direct_norm_sq),
+            ("ghost norm", outer_norm_kernel.ghost_norm_sq, outer_norm_reference.ghost_norm_sq),
         ]:
             rows.append((name, dtype, _rel(kernel(left, right), exact), _rel(reference(left, right), exact)))
-        exact_sum = bk_sum.clipped_sum_torch(left.double(), right.double(), coef.double())
+        exact_sum = clipped_sum_reference.clipped_sum(left.double(), right.double(), coef.double())
         rows.append(
-            ("clipped sum", dtype, _rel(bk_sum.clipped_sum_triton(left, right, coef), exact_sum),
-             _rel(bk_sum.clipped_sum_torch(left, right, coef), exact_sum))
+            ("clipped sum", dtype, _rel(clipped_sum_kernel.clipped_sum(left, right, coef), exact_sum),
+             _rel(clipped_sum_reference.clipped_sum(left, right, coef), exact_sum))
         )  # fmt: skip
         x, g = left[:, :, :256] * 3 + 1, right[:, :, :1].expand(-1, -1, 256).contiguous()
-        exact_w, _ = norm_affine.norm_affine_grads_torch(x.double(), g.double(), 1e-5, False, True)
-        got_w, _ = norm_affine.norm_affine_grads_triton(x, g, 1e-5, False, True)
-        ref_w, _ = norm_affine.norm_affine_grads_torch(x, g, 1e-5, False, True)
+        exact_w, _ = norm_affine_reference.norm_affine_grads(x.double(), g.double(), 1e-5, False, True)
+        got_w, _ = norm_affine_kernel.norm_affine_grads(x, g, 1e-5, False, True)
+        ref_w, _ = norm_affine_reference.norm_affine_grads(x, g, 1e-5, False, True)
         rows.append(("layernorm affine", dtype, _rel(got_w, exact_w), _rel(ref_w, exact_w)))
     print("| kernel | dtype | rel. error vs float64 | PyTorch's | ok (<= 2x + 1e-6) |\n|---|---|---|---|---|")
     for name, dtype, err, ref in rows:
@@ -73,14 +78,14 @@ def time_layers(quick: bool) -> None:
 def _time_layer(b: int, t: int, p: int, d: int) -> str:
     from triton.testing import do_bench
 
-    from flashdp.kernels import outer_norm
+    from flashdp.kernels.outer_norm import kernel as outer_norm_kernel
 
     weight = torch.randn(p, d, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(b, t, d, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(b, t, p, device="cuda", dtype=torch.bfloat16)
     g2, a2 = g.view(-1, p), a.view(-1, d)
-    direct = do_bench(lambda: outer_norm.outer_direct_norm_sq_triton(g, a))
-    ghost = do_bench(lambda: outer_norm.outer_ghost_norm_sq_triton(g, a))
+    direct = do_bench(lambda: outer_norm_kernel.direct_norm_sq(g, a))
+    ghost = do_bench(lambda: outer_norm_kernel.ghost_norm_sq(g, a))
     einsum = _maybe(lambda: do_bench(lambda: torch.einsum("btp,btd->bpd", g, a).float().square().sum((1, 2))))
     full_gram = _maybe(
         lambda: do_bench(lambda: ((a @ a.transpose(1, 2)).float() * (g @ g.transpose(1, 2)).float()).sum((1, 2)))

@@ -1,6 +1,7 @@
 """flashdp: differentially private training at the cost of ordinary training.
 
-Exact per-sample gradient clipping for any nn.Module (ghost and book-keeping engines), noise and accounting.
+Exact per-sample gradient clipping for any nn.Module (book-keeping, ghost and flash engines), noise and
+accounting, under DDP, FSDP2 and FSDP1.
 """
 
 from flashdp.data import PoissonSampler, micro_batches, poisson_loader

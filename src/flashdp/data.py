@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, Sampler
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from flashdp.errors import FlashDPError
 from flashdp.privacy import csprng

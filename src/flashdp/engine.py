@@ -1,39 +1,30 @@
-"""DPEngine: per-sample clipping for any nn.Module, without wrapping it.
+"""DPEngine and make_private: per-sample clipping for any nn.Module, without wrapping it, and DP-SGD's step.
 
-One `backward(loss)`:
-1. the norm pass: one autograd pass to the recorded outputs of the trainable layers (`autograd.grad` on their
-   gradient edges), which computes no parameter gradient;
-2. per parameter, the exact squared norm of the sum of its per-sample contributions (`ParamGradient`);
-3. clipping coefficients per sample (and per group for per-layer clipping);
-4. ghost: a second backward of `sum_i c_i loss_i`; bk: each parameter's `sum_i c_i g_i` from what step 2 kept.
+The engine runs the stages of `flashdp._pipeline` (whose docstring lists them in order) and keeps all state.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Hashable
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flashdp.clipping import CLIPPING_STYLES, Clipping, clip_coefficients
+from flashdp._pipeline.clipping import Clipping, clip_coefficients
+from flashdp._pipeline.norm_pass import output_gradients, per_param_gradients
+from flashdp._pipeline.param_grad import StrategyChoice
+from flashdp._pipeline.profiling import PhaseTimer, profiling_requested
+from flashdp._pipeline.recorder import Recorder
+from flashdp._pipeline.scan import ModelScan, scan_model
+from flashdp._pipeline.settings import EngineSettings, Mode
 from flashdp.distributed import adapter_for
 from flashdp.distributed.checks import check_global_batch, check_norm_group, check_same_samples
 from flashdp.errors import FlashDPError
-from flashdp.kernels import BACKENDS, Backend, triton_unavailable_reason
+from flashdp.kernels import Backend
 from flashdp.kernels import backend as kernels_backend
-from flashdp.param_grad import ParamGradient, StrategyChoice
 from flashdp.privacy import Accountant, NoiseSource
-from flashdp.privacy.settings import PrivacySettings, resolve_privacy
-from flashdp.profiling import PhaseTimer, profiling_requested
-from flashdp.recorder import Call, Recorder
-from flashdp.scan import ModelScan, TrainableParam, scan_model
-
-Mode = Literal["ghost", "flash", "bk"]
-MODES: tuple[str, ...] = ("ghost", "flash", "bk")
-NORM_STRATEGIES: tuple[str, ...] = ("auto", "ghost", "direct")
+from flashdp.privacy.settings import PrivacyRequest
 
 
 class DPEngine:
@@ -46,62 +37,59 @@ class DPEngine:
     def __init__(
         self,
         model: nn.Module,
+        settings: EngineSettings,
+        privacy: PrivacyRequest,
         *,
-        mode: Mode,
-        max_grad_norm: float,
-        privacy: dict,
         optimizer: torch.optim.Optimizer | None = None,
-        clipping: Clipping = "flat",
-        norm_strategy: StrategyChoice = "auto",
-        seed: int | None = None,
-        secure_rng: bool = False,
-        kernels: Backend = "auto",
         norm_group: dist.ProcessGroup | None = None,
-        profile: bool | None = None,
     ) -> None:
-        """See `make_private`; `privacy` holds its privacy arguments, resolved after the cheap checks."""
-        _check_choice("mode", mode, MODES)
-        _check_choice("kernels", kernels, BACKENDS)
-        self.kernels = _resolve_kernels(mode, kernels)
-        _check_choice("clipping", clipping, CLIPPING_STYLES)
-        _check_choice("norm_strategy", norm_strategy, NORM_STRATEGIES)
+        """See `make_private`. The privacy request is resolved (sigma calibrated) after the model's checks."""
         if not isinstance(model, nn.Module):
             raise FlashDPError(f"make_private expects an nn.Module. Received {type(model).__name__}.")
-        if not (isinstance(max_grad_norm, int | float) and 0 < max_grad_norm < float("inf")):
-            raise FlashDPError(f"max_grad_norm must be a positive finite number. Received {max_grad_norm!r}.")
         self.model = model
-        self.mode = mode
-        self.max_grad_norm = float(max_grad_norm)
-        self.clipping = clipping
-        self.norm_strategy = norm_strategy
-        self._dist = adapter_for(model, secure_rng=secure_rng)  # inspects the wrapper; attach() changes it
-        self._scan: ModelScan = scan_model(model, self._dist.param_views)
+        self.settings = settings
+        self._timer = PhaseTimer(settings.profile)
+        self._adapter = adapter_for(model, self._timer, secure_rng=settings.secure_rng)  # attach() changes it
+        self._scan: ModelScan = scan_model(model, self._adapter.param_views)
         self._trainable_names = _trainable_names(model)
         self.optimizer = optimizer
         if optimizer is not None:
             _check_optimizer(optimizer, model)
-        settings: PrivacySettings = resolve_privacy(**privacy)
-        self.noise_multiplier = settings.noise_multiplier
-        self.expected_batch_size = settings.expected_batch_size
-        self.sample_rate = settings.sample_rate
+        resolved = privacy.resolve()
+        self.noise_multiplier = resolved.noise_multiplier
+        self.expected_batch_size = resolved.expected_batch_size
+        self.sample_rate = resolved.sample_rate
         if norm_group is not None and not dist.is_initialized():
             raise FlashDPError("norm_group needs torch.distributed to be initialised (dist.init_process_group).")
         self.norm_group = norm_group
         self._norm_group_checked = norm_group is None
-        self._timer = PhaseTimer(profiling_requested(profile))
-        if secure_rng:  # checked before the adapter changes anything on a wrapper
-            self._noise = NoiseSource(seed, secure=True)
+        if settings.secure_rng:  # checked before the adapter changes anything on a wrapper
+            self._noise = NoiseSource(settings.seed, secure=True)
         else:
-            self._noise = NoiseSource(self._dist.noise_seed(secrets.randbits(63) if seed is None else seed))
-        self._dist.timer = self._timer
+            seed = secrets.randbits(63) if settings.seed is None else settings.seed
+            self._noise = NoiseSource(self._adapter.noise_seed(seed))
         if norm_group is not None:
-            check_norm_group(norm_group, self._dist.group)
-        self._dist.attach()
-        self._accountant = Accountant(settings.accountant)
+            check_norm_group(norm_group, self._adapter.dp_group)
+        self._adapter.attach()
+        self._accountant = Accountant(resolved.accountant)
         self._backward_since_step = False
         self._samples_since_step = 0
         self._recorder: Recorder | None = Recorder(self._scan.layers, on_call=self._timer.forward_started)
-        self.strategies: dict[str, str] = {}
+        self._strategies: dict[str, str] = {}
+
+    @property
+    def mode(self) -> Mode:
+        return self.settings.mode
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self.settings.max_grad_norm
+
+    @property
+    def strategies(self) -> dict[str, str]:
+        """Per trainable parameter reached in the last backward, how its norm was computed (e.g. "ghost",
+        "direct", "direct+tokens", "per-sample"): what to look at when a layer is slow. Also in the profile."""
+        return dict(self._strategies)
 
     # -- clipping -----------------------------------------------------------------------------------------
 
@@ -126,94 +114,41 @@ class DPEngine:
         if not self._norm_group_checked:
             check_same_samples(loss, self.norm_group)
             self._norm_group_checked = True
-        if batch == 0 and self._dist.world_size == 1:
+        if batch == 0 and self._adapter.world_size == 1:
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
         # an empty batch on one rank of several still runs every pass: the wrappers' collectives must match
-        second_pass = self.mode in ("ghost", "flash") and self.clipping != "per_layer" and self._dist.second_backward
-        with self._timer.phase("norm pass"), self._dist.norm_pass():
-            outputs_grads = torch.autograd.grad(
-                loss.sum(), [c.edge for c in calls], retain_graph=second_pass, allow_unused=True
-            )
+        second_pass = self.settings.second_backward and self._adapter.second_backward
+        with self._timer.phase("norm pass"), self._adapter.norm_pass():
+            output_grads = output_gradients(loss, calls, retain_graph=second_pass)
         # the recorded activations require grad; nothing below is differentiated
-        norm_phase = self._timer.phase("norm computation")
-        with torch.no_grad(), kernels_backend(self.kernels), norm_phase:
-            grads = self._per_sample_gradients(calls, outputs_grads, batch, keep_for_sum=not second_pass)
-            # From here on only the ParamGradients hold activations and output gradients, each just until its
-            # norm no longer needs them (a directly-normed layer keeps only its per-sample gradient).
-            del calls, outputs_grads
-            group_norms_sq = torch.zeros(len(self._scan.group_names), batch, dtype=torch.float64, device=loss.device)
+        with torch.no_grad(), kernels_backend(self.settings.backend), self._timer.phase("norm computation"):
+            grads = per_param_gradients(self._scan, calls, output_grads, batch, self.settings.norm_strategy)
+            # From here on only the ParamGradients hold activations and output gradients, and each plan only
+            # what its clipped sum needs (a directly-normed layer keeps only its per-sample gradient).
+            del calls, output_grads
+            groups = len(self._scan.clip_group_names)
+            clip_norms_sq = torch.zeros(groups, batch, dtype=torch.float64, device=loss.device)
+            plans, self._strategies = [], {}
             for param, grad in grads:
-                group_norms_sq[param.group] += grad.norm_sq().to(group_norms_sq.dtype)
-            self.strategies = {param.name: grad.strategy for param, grad in grads}
+                norm = grad.norm_sq(keep_for_sum=not second_pass)
+                clip_norms_sq[param.clip_group] += norm.norm_sq.to(clip_norms_sq.dtype)
+                plans.append((param, norm.plan))
+                self._strategies[param.name] = norm.strategy
+            del grads
             if self.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
                 with self._timer.phase("communication"):
-                    dist.all_reduce(group_norms_sq, op=dist.ReduceOp.SUM, group=self.norm_group)
-            coef = clip_coefficients(self.clipping, group_norms_sq, self.max_grad_norm)
-        if not second_pass:
-            with torch.no_grad(), kernels_backend(self.kernels), self._timer.phase("second pass / bk sums"):
-                for param, grad in grads:
-                    self._dist.accumulate(param, grad.clipped_sum(coef[param.group]))
-                self._dist.accumulation_done()
-        else:
-            del grads
-            with self._timer.phase("second pass / bk sums"):
-                (loss * (coef[0] * self._dist.second_pass_scale).to(loss.dtype)).sum().backward()
-        return group_norms_sq.sum(0).sqrt().float()
-
-    def _per_sample_gradients(
-        self, calls: list[Call], outputs_grads: tuple, batch: int, keep_for_sum: bool
-    ) -> list[tuple[TrainableParam, ParamGradient]]:
-        by_param: dict[Hashable, tuple[TrainableParam, ParamGradient]] = {}
-        for call, grad_at_edge in zip(calls, outputs_grads, strict=True):
-            layer = call.layer
-            if grad_at_edge is None:
-                if call.modified_in_place():
-                    raise FlashDPError(
-                        f"The output of layer {layer.label} was modified in place after the layer returned it "
-                        "(e.g. ReLU(inplace=True) or `out += x`), which hides its gradient. Make that operation "
-                        "out of place (inplace=False, `out = out + x`)."
-                    )
-                continue  # this call's output does not reach the loss
-            grad_output = call.grad_output(grad_at_edge)
-            if call.batch_size == 1 and batch > 1:
-                raise FlashDPError(
-                    f"Layer {layer.label} was called on a batch of 1 while the loss has {batch} samples: its output "
-                    "was shared across the batch by broadcasting (e.g. position embeddings looked up with "
-                    "position_ids of shape [1, T]), so autograd only sees the gradient summed over samples. Give it "
-                    "each sample's own input (for HF models: position_ids=torch.arange(T).expand(B, T)) or freeze it."
-                )
-            if call.batch_size != batch:
-                raise FlashDPError(
-                    f"Batch size mismatch: the loss has {batch} per-sample values, but layer {layer.label} was "
-                    f"called on a batch of {call.batch_size} (its output's first dim). flashdp needs the batch as "
-                    "the first dim of every layer's input and output, and one loss per sample."
-                )
-            if batch == 0:  # a rank without samples this step: nothing to add, but the same parameters as others
-                per_sample = {
-                    n: grad_output.new_zeros(0, *self._scan.slots[(id(layer.module), n)].shape) for n in layer.trainable
-                }
+                    dist.all_reduce(clip_norms_sq, op=dist.ReduceOp.SUM, group=self.norm_group)
+            coef = clip_coefficients(self.settings.clipping, clip_norms_sq, self.max_grad_norm)
+        with self._timer.phase("second pass / bk sums"):
+            if second_pass:
+                del plans
+                (loss * (coef[0] * self._adapter.second_pass_scale).to(loss.dtype)).sum().backward()
             else:
-                per_sample = layer.match.rule.per_sample_grads(
-                    layer.module, call.inputs, grad_output, frozenset(layer.trainable)
-                )
-            missing = set(layer.trainable) - set(per_sample)
-            if missing:
-                raise FlashDPError(
-                    f"Rule {layer.match.rule.name} returned no per-sample gradient for {sorted(missing)} of layer "
-                    f"{layer.label}."
-                )
-            for name in layer.trainable:
-                tracked = self._scan.slots[(id(layer.module), name)]
-                if tracked.key not in by_param:
-                    slot = ParamGradient(tracked.name, tracked.shape, batch, self.norm_strategy, keep_for_sum)
-                    by_param[tracked.key] = (tracked, slot)
-                by_param[tracked.key][1].add(per_sample[name], layer.label)
-        if not by_param:
-            raise FlashDPError(
-                "The loss does not depend on any trainable layer recorded in the last forward pass: compute the "
-                "per-sample losses from this model's output."
-            )
-        return list(by_param.values())
+                with torch.no_grad(), kernels_backend(self.settings.backend):
+                    for param, plan in plans:
+                        self._adapter.accumulate(param, plan.clipped_sum(coef[param.clip_group]))
+                    self._adapter.accumulation_done()
+        return clip_norms_sq.sum(0).sqrt().float()
 
     # -- DP-SGD -------------------------------------------------------------------------------------------
 
@@ -238,27 +173,27 @@ class DPEngine:
                 "engine.step() called with no engine.backward() since the last step: each step must follow at "
                 "least one backward (an empty Poisson batch counts: call backward on its empty loss)."
             )
-        if self._dist.group is not None:
-            check_global_batch(self.expected_batch_size, self._samples_since_step, self._dist.group)
+        if self._adapter.dp_group is not None:
+            check_global_batch(self.expected_batch_size, self._samples_since_step, self._adapter.dp_group)
         std = self.noise_multiplier * self.max_grad_norm
-        params = self._dist.gradient_holders(self._scan.params)
+        params = self._adapter.gradient_holders(self._scan.params)
         with torch.no_grad():
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             with self._timer.phase("communication"):
-                self._dist.reduce_gradients(params)
+                self._adapter.reduce_gradients(params)
             with self._timer.phase("noise"):
                 for p in params:
                     if std > 0:
-                        local = self._dist.local_grad(p)
+                        local = self._adapter.local_grad(p)
                         noise = self._noise.gaussian(local.shape, std, local.device, local.dtype)
-                        local.add_(self._dist.shared_noise(noise))
+                        local.add_(self._adapter.shared_noise(noise))
                     p.grad.div_(self.expected_batch_size)
         with self._timer.phase("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad()
-            self._dist.zero_grad()
+            self._adapter.zero_grad()
         self._accountant.step(self.noise_multiplier, self.sample_rate or 0.0)
         self._backward_since_step = False
         self._samples_since_step = 0
@@ -302,7 +237,7 @@ class DPEngine:
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
-            self._dist.detach()
+            self._adapter.detach()
 
     def __enter__(self) -> DPEngine:
         return self
@@ -325,27 +260,6 @@ class DPEngine:
 
 def _trainable_names(model: nn.Module) -> frozenset[str]:
     return frozenset(name for name, p in model.named_parameters() if p.requires_grad)
-
-
-def _resolve_kernels(mode: str, requested: str) -> str:
-    """The backend for this engine: flash means Triton kernels; "triton" must be able to run here."""
-    if mode == "flash" and requested == "torch":
-        raise FlashDPError("mode='flash' computes norms with Triton kernels; kernels='torch' contradicts it.")
-    if mode == "flash" or requested == "triton":
-        reason = triton_unavailable_reason()
-        if reason is not None:
-            what = "mode='flash'" if mode == "flash" else "kernels='triton'"
-            raise FlashDPError(
-                f"{what} needs Triton kernels, which cannot run here: {reason}. Use mode='bk' (one backward, "
-                "plain PyTorch) or mode='ghost'."
-            )
-        return "triton"
-    return requested
-
-
-def _check_choice(what: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise FlashDPError(f"{what} must be one of {', '.join(map(repr, allowed))}. Received {value!r}.")
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
@@ -429,27 +343,24 @@ def make_private(
     (`FullyShardedDataParallel`); then expected_batch_size and sample_rate are global (all ranks), and every rank
     ends with the update one process holding the global batch would make.
     """
-    privacy = {
-        "noise_multiplier": noise_multiplier,
-        "expected_batch_size": expected_batch_size,
-        "sample_rate": sample_rate,
-        "target_epsilon": target_epsilon,
-        "target_delta": target_delta,
-        "steps": steps,
-        "epochs": epochs,
-        "accountant": accountant,
-    }
-    return DPEngine(
-        model,
+    settings = EngineSettings(
         mode=mode,
         max_grad_norm=max_grad_norm,
-        privacy=privacy,
-        optimizer=optimizer,
         clipping=clipping,
         norm_strategy=norm_strategy,
+        kernels=kernels,
         seed=seed,
         secure_rng=secure_rng,
-        kernels=kernels,
-        norm_group=norm_group,
-        profile=profile,
+        profile=profiling_requested(profile),
     )
+    privacy = PrivacyRequest(
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        sample_rate=sample_rate,
+        target_epsilon=target_epsilon,
+        target_delta=target_delta,
+        steps=steps,
+        epochs=epochs,
+        accountant=accountant,
+    )
+    return DPEngine(model, settings, privacy, optimizer=optimizer, norm_group=norm_group)

@@ -8,16 +8,18 @@ import torch
 from hypothesis import given
 from torch import nn
 
-from flashdp.kernels import bk_sum, norm_affine, outer_norm
+from flashdp.kernels.clipped_sum import kernel as clipped_sum_kernel
+from flashdp.kernels.norm_affine import kernel as norm_affine_kernel
+from flashdp.kernels.outer_norm import kernel as outer_norm_kernel
 from tests.oracle import check_against_oracle
 from tests.strategies import batches, clippings, norm_strategies, per_sample_loss
 from tests.test_hf_models import VOCAB, gpt2, llama, lm_loss, positions
 
 LAUNCHERS = {
-    (outer_norm, "outer_direct_norm_sq_triton"),
-    (outer_norm, "outer_ghost_norm_sq_triton"),
-    (bk_sum, "clipped_sum_triton"),
-    (norm_affine, "norm_affine_grads_triton"),
+    (outer_norm_kernel, "direct_norm_sq"),
+    (outer_norm_kernel, "ghost_norm_sq"),
+    (clipped_sum_kernel, "clipped_sum"),
+    (norm_affine_kernel, "norm_affine_grads"),
 }
 
 
@@ -59,8 +61,8 @@ def test_flash_matches_oracle_on_a_transformer_block(batch, clipping, strategy):
             norm_strategy=strategy, rtol=2e-4,
         )  # fmt: skip
     if batch and clipping != "per_layer":
-        assert counts["norm_affine_grads_triton"] == 2
-        assert counts["outer_direct_norm_sq_triton"] + counts["outer_ghost_norm_sq_triton"] == 2
+        assert counts["norm_affine_grads"] == 2
+        assert counts["direct_norm_sq"] + counts["ghost_norm_sq"] == 2
 
 
 @pytest.mark.parametrize("strategy", ["ghost", "direct"])
@@ -73,9 +75,9 @@ def test_bk_with_triton_kernels_matches_oracle(strategy):
             model, lambda s: per_sample_loss(model(ids[s])), 4, mode="bk", norm_strategy=strategy, kernels="triton",
             rtol=2e-4,
         )  # fmt: skip
-    assert counts["norm_affine_grads_triton"] == 2
+    assert counts["norm_affine_grads"] == 2
     if strategy == "ghost":
-        assert counts["outer_ghost_norm_sq_triton"] == 2 and counts["clipped_sum_triton"] == 2
+        assert counts["ghost_norm_sq"] == 2 and counts["clipped_sum"] == 2
 
 
 @pytest.mark.parametrize(
@@ -89,7 +91,7 @@ def test_flash_matches_oracle_on_hf_models(build):
             model, lambda s: lm_loss(model(ids[s], position_ids=positions(ids[s])).logits, ids[s]), 3,
             mode="flash", rtol=2e-4,
         )  # fmt: skip
-    assert counts["norm_affine_grads_triton"] > 0
+    assert counts["norm_affine_grads"] > 0
 
 
 def test_flash_matches_oracle_on_a_grouped_conv():
@@ -97,7 +99,7 @@ def test_flash_matches_oracle_on_a_grouped_conv():
     x = torch.randn(3, 4, 5, 5)
     with launches() as counts:
         check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 3, mode="flash", rtol=2e-4)
-    assert counts["outer_direct_norm_sq_triton"] + counts["outer_ghost_norm_sq_triton"] == 2
+    assert counts["direct_norm_sq"] + counts["ghost_norm_sq"] == 2
 
 
 @given(batch=batches, strategy=norm_strategies)

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from flashdp import outer
+from flashdp.kernels.outer_norm import reference as outer_norm_reference
 from tests.oracle import check_against_oracle
 from tests.strategies import batches, clippings, modes, norm_strategies, odd, per_sample_loss, tiles
 
@@ -26,7 +26,7 @@ def test_linear_any_rank_matches_oracle(batch, lead, d, p, bias, mode, clipping,
     """2-D, 3-D and 4-D inputs; the hidden layer also sees activations that require grad."""
     model = nn.Sequential(nn.Linear(d, p, bias=bias), nn.Tanh(), nn.Linear(p, 2, bias=bias)).double()
     x = torch.randn(batch, *lead, d, dtype=torch.float64)
-    with mock.patch.object(outer, "GHOST_TILE", tile):
+    with mock.patch.object(outer_norm_reference, "GHOST_TILE", tile):
         check_against_oracle(
             model,
             lambda s: per_sample_loss(model(x[s])),
@@ -42,7 +42,7 @@ def test_hf_conv1d_matches_oracle(batch, t, d, p, mode, strategy, tile):
     """GPT-2's Conv1D: a Linear with a transposed [d, p] weight."""
     model = nn.Sequential(Conv1D(p, d), nn.GELU(), Conv1D(3, p)).double()
     x = torch.randn(batch, t, d, dtype=torch.float64)
-    with mock.patch.object(outer, "GHOST_TILE", tile):
+    with mock.patch.object(outer_norm_reference, "GHOST_TILE", tile):
         check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode, norm_strategy=strategy)
 
 

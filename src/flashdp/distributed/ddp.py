@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flashdp.distributed.adapter import Adapter
+from flashdp._pipeline.profiling import PhaseTimer
+from flashdp.distributed.base import Adapter
 
 
 class DDPAdapter(Adapter):
@@ -15,11 +16,12 @@ class DDPAdapter(Adapter):
     sums the clipped gradients itself, once per step, and every rank draws the same noise.
     """
 
-    def __init__(self, ddp: nn.parallel.DistributedDataParallel, broadcast_noise: bool) -> None:
+    def __init__(self, ddp: nn.parallel.DistributedDataParallel, timer: PhaseTimer, broadcast_noise: bool) -> None:
+        super().__init__(timer)
         self.ddp = ddp
         self.broadcast_noise = broadcast_noise
-        self.group = ddp.process_group
-        self.world_size = dist.get_world_size(self.group)
+        self.dp_group = ddp.process_group
+        self.world_size = dist.get_world_size(self.dp_group)
         self._sync_before = ddp.require_backward_grad_sync
 
     def attach(self) -> None:
@@ -28,7 +30,7 @@ class DDPAdapter(Adapter):
     def reduce_gradients(self, params: list[Tensor]) -> None:
         grads = [p.grad for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -36,13 +38,13 @@ class DDPAdapter(Adapter):
 
     def noise_seed(self, seed: int) -> int:
         shared = torch.tensor([seed], dtype=torch.int64)
-        dist.broadcast(shared, src=dist.get_global_rank(self.group, 0), group=self.group)
+        dist.broadcast(shared, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
         return int(shared.item())
 
     def shared_noise(self, noise: Tensor) -> Tensor:
         """Equal seeds already give equal noise; the OS CSPRNG (secure_rng) does not, so rank 0's is sent."""
         if self.broadcast_noise:
-            dist.broadcast(noise, src=dist.get_global_rank(self.group, 0), group=self.group)
+            dist.broadcast(noise, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
         return noise
 
     def detach(self) -> None:

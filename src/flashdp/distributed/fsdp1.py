@@ -2,8 +2,8 @@
 
 FSDP1 keeps each unit's parameters in one flat parameter: the unit's flattened parameters concatenated (with
 alignment padding when use_orig_params=True), padded to a multiple of the world size and sharded into equal
-contiguous slices. flashdp reads that layout from the flat parameter's metadata (`_param_infos`, `_shapes`,
-`_numels_with_padding`, ...), FSDP1 internals unchanged since torch 2.1; `_layout` fails loudly if they move.
+contiguous slices. flashdp reads that layout from FSDP1 internals unchanged since torch 2.1, all of them in
+`_read_layout`, which fails with one clear error if they move.
 
 - norm pass: under `no_sync()` of every root unit (it computes no parameter gradient anyway).
 - one backward only: FSDP1 removes its gradient hooks in the callback that ends a backward, so a second
@@ -19,46 +19,53 @@ contiguous slices. flashdp reads that layout from the flat parameter's metadata 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy
 
-from flashdp.distributed.adapter import Adapter, PerUnitSums, reduce_scatter_sum
+from flashdp._pipeline.params import ParamView, TrainableParam
+from flashdp._pipeline.profiling import PhaseTimer
+from flashdp.distributed.sharded import ShardedAdapter
 from flashdp.errors import FlashDPError
-from flashdp.scan import ParamView, TrainableParam
 
 
 @dataclass
 class _Unit:
     """One FSDP1 unit's flat parameter: where each original parameter sits in its unsharded form."""
 
-    fsdp: nn.Module
     flat_param: nn.Parameter
     shard_numel: int
     offsets: list[int]  # per original parameter, its start in the unsharded flat parameter
     numels: list[int]
+    shapes: list[torch.Size]
     trainable: set[int]  # indices of the original parameters that require grad
+    #: with use_orig_params, points the original parameters' .grad at views into the flat parameter's .grad
+    use_sharded_grad_views: Callable[[], None]
     #: [shard numel] this step's reduced clipped sums. The flat parameter's .grad is set to it after every
     #: backward, but FSDP1's forward and backward hooks may move or drop that .grad in between: this is the truth.
     grad: Tensor | None = None
 
-    @property
-    def handle(self):
-        return self.fsdp._handle
+
+@dataclass(frozen=True)
+class _Layout:
+    units: list[_Unit]
+    use_orig_params: bool
+    #: id(module) -> attribute name -> (unit index, parameter index); tied parameters map to their first owner
+    where: dict[int, dict[str, tuple[int, int]]]
+    flat_param_ids: set[int]
 
 
-class FSDP1Adapter(Adapter):
+class FSDP1Adapter(ShardedAdapter):
     second_backward = False
 
-    def __init__(self, model: nn.Module) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import ShardingStrategy
-
-        units = [u for u in FSDP.fsdp_modules(model) if u._handle is not None]
-        for unit in units:
+    def __init__(self, model: nn.Module, timer: PhaseTimer) -> None:
+        wrapped = FSDP.fsdp_modules(model)
+        for unit in wrapped:
             if unit.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
                 raise FlashDPError(
                     f"flashdp supports FSDP1 with sharding_strategy FULL_SHARD or SHARD_GRAD_OP; this model uses "
@@ -66,33 +73,20 @@ class FSDP1Adapter(Adapter):
                     "not supported."
                 )
         self.roots = FSDP.fsdp_modules(model, root_only=True)
-        self.group = units[0].process_group
-        self.world_size = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
-        self.use_orig_params = units[0]._use_orig_params
-        self.units = [_layout(unit) for unit in units]
-        # id(module) -> attribute name -> (unit index, parameter index); tied parameters map to their first owner
-        self._where: dict[int, dict[str, tuple[int, int]]] = {}
-        for u, unit in enumerate(self.units):
-            flat = unit.flat_param
-            for i, info in enumerate(flat._param_infos):
-                self._where.setdefault(id(info.module), {})[info.param_name] = (u, i)
-            for info in flat._shared_param_infos:
-                prim = self._where[id(info.prim_module)][info.prim_param_name]
-                self._where.setdefault(id(info.module), {})[info.param_name] = prim
-        self._sums = PerUnitSums([unit.trainable for unit in self.units], self._reduce_scatter)
+        dp_group = wrapped[0].process_group
+        self.layout = _read_layout(wrapped, dist.get_world_size(dp_group))
+        super().__init__(timer, dp_group, [set(unit.trainable) for unit in self.layout.units])
 
     def param_views(self, module: nn.Module) -> dict[str, ParamView]:
-        from torch.distributed.fsdp._flat_param import FlatParameter
-
+        units = self.layout.units
         views = {
-            name: ParamView(getattr(module, name), (u, i), torch.Size(self.units[u].flat_param._shapes[i]))
-            for name, (u, i) in self._where.get(id(module), {}).items()
-            if i in self.units[u].trainable
+            name: ParamView(getattr(module, name), (u, i), units[u].shapes[i])
+            for name, (u, i) in self.layout.where.get(id(module), {}).items()
+            if i in units[u].trainable
         }
         unmanaged = [
             n for n, p in module._parameters.items()
-            if p is not None and p.requires_grad and n not in views and not isinstance(p, FlatParameter)
+            if p is not None and p.requires_grad and n not in views and id(p) not in self.layout.flat_param_ids
         ]  # fmt: skip
         if unmanaged:
             raise FlashDPError(
@@ -108,73 +102,78 @@ class FSDP1Adapter(Adapter):
                 stack.enter_context(root.no_sync())
             yield
 
-    def accumulate(self, param: TrainableParam, clipped_sum: Tensor) -> None:
-        u, i = param.key
-        self._sums.add(u, i, clipped_sum)
+    def unit_of(self, param: TrainableParam) -> tuple[int, Hashable]:
+        return param.key
 
-    def accumulation_done(self) -> None:
-        self._sums.finish()
-
-    def _reduce_scatter(self, u: int, sums: dict[int, Tensor]) -> None:
+    def reduce_scatter_unit(self, u: int, sums: dict[Hashable, Tensor]) -> None:
         """The unit's sums laid out as its unsharded flat parameter `[shard numel * world]`, reduce-scattered."""
-        unit = self.units[u]
-        flat = unit.flat_param
+        unit = self.layout.units[u]
         buffer = next(iter(sums.values())).new_zeros(unit.shard_numel * self.world_size)
         for i, clipped_sum in sums.items():
             buffer[unit.offsets[i] : unit.offsets[i] + unit.numels[i]] = clipped_sum.reshape(-1)
         shard = buffer.new_empty(unit.shard_numel)
-        with self.timer.phase("communication"):
-            reduce_scatter_sum(shard, buffer, self.group)
-        unit.grad = shard.to(flat.dtype) if unit.grad is None else unit.grad.add_(shard.to(unit.grad.dtype))
+        self.reduce_scatter(shard, buffer)
+        unit.grad = shard.to(unit.flat_param.dtype) if unit.grad is None else unit.grad.add_(shard.to(unit.grad.dtype))
         self._expose(unit)
 
     def _expose(self, unit: _Unit) -> None:
         """Make the accumulated shard the flat parameter's .grad; with use_orig_params=True the optimizer reads
         the original parameters' .grad, views into it."""
         unit.flat_param.grad = unit.grad
-        if self.use_orig_params:
-            unit.handle._use_sharded_grad_views()
+        if self.layout.use_orig_params:
+            unit.use_sharded_grad_views()
 
     def gradient_holders(self, params: list[TrainableParam]) -> list[Tensor]:
-        return [unit.flat_param for unit in self.units if unit.trainable]
+        return [unit.flat_param for unit in self.layout.units if unit.trainable]
 
     def reduce_gradients(self, params: list[Tensor]) -> None:
-        for unit in self.units:  # the sums are reduced already; step() made zeros where no backward reached
+        for unit in self.layout.units:  # the sums are reduced already; step() made zeros where no backward reached
             if unit.trainable:
                 if unit.grad is None:
                     unit.grad = unit.flat_param.grad
                 self._expose(unit)
 
-    def noise_seed(self, seed: int) -> int:
-        return seed + 7919 * self.rank  # independent noise per shard
-
     def zero_grad(self) -> None:
-        for unit in self.units:
+        for unit in self.layout.units:
             unit.flat_param.grad = unit.grad = None
 
 
-def _layout(fsdp: nn.Module) -> _Unit:
-    flat = fsdp._handle.flat_param
+def _read_layout(wrapped: list[nn.Module], world_size: int) -> _Layout:
+    """Every FSDP1 internal flashdp relies on, read once; one clear error if this torch moved any of them."""
     try:
-        shard_numel = flat._sharded_size.numel()
-        numels = list(flat._numels)
-        offsets, position = [], 0
-        for numel, is_padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
-            if not is_padding:
-                offsets.append(position)
-            position += numel
-        if fsdp._use_orig_params:
-            trainable = {i for i, p in enumerate(flat._params) if p.requires_grad}
-        else:
-            trainable = set(range(len(numels))) if flat.requires_grad else set()
-        consistent = len(offsets) == len(numels) == len(flat._param_infos) == len(flat._shapes)
-    except AttributeError as missing:
-        consistent, problem = False, str(missing)
-    else:
-        problem = "inconsistent parameter metadata"
-    if not consistent or position > shard_numel * dist.get_world_size(fsdp.process_group):
+        units, where = [], {}
+        fsdps = [m for m in wrapped if m._handle is not None]
+        use_orig_params = fsdps[0]._use_orig_params
+        for u, fsdp in enumerate(fsdps):
+            flat = fsdp._handle.flat_param
+            units.append(_read_unit(fsdp, flat, world_size))
+            for i, info in enumerate(flat._param_infos):
+                where.setdefault(id(info.module), {})[info.param_name] = (u, i)
+            for info in flat._shared_param_infos:
+                first_owner = where[id(info.prim_module)][info.prim_param_name]
+                where.setdefault(id(info.module), {})[info.param_name] = first_owner
+    except (AttributeError, KeyError, ValueError) as problem:
         raise FlashDPError(
             f"This torch's FSDP1 flat parameters do not have the layout flashdp reads ({problem}). Shard the model "
             "with FSDP2 (torch.distributed.fsdp.fully_shard) instead."
-        )
-    return _Unit(fsdp, flat, shard_numel, offsets, numels, trainable)
+        ) from problem
+    return _Layout(units, use_orig_params, where, {id(unit.flat_param) for unit in units})
+
+
+def _read_unit(fsdp: nn.Module, flat: nn.Parameter, world_size: int) -> _Unit:
+    numels = list(flat._numels)
+    offsets, position = [], 0
+    for numel, is_padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
+        if not is_padding:
+            offsets.append(position)
+        position += numel
+    if fsdp._use_orig_params:
+        trainable = {i for i, p in enumerate(flat._params) if p.requires_grad}
+    else:
+        trainable = set(range(len(numels))) if flat.requires_grad else set()
+    shapes = [torch.Size(s) for s in flat._shapes]
+    shard_numel = flat._sharded_size.numel()
+    consistent = len(offsets) == len(numels) == len(flat._param_infos) == len(shapes)
+    if not consistent or position > shard_numel * world_size:
+        raise ValueError("inconsistent parameter metadata")
+    return _Unit(flat, shard_numel, offsets, numels, shapes, trainable, fsdp._handle._use_sharded_grad_views)

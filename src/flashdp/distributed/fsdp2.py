@@ -4,51 +4,43 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-from flashdp.distributed.adapter import Adapter, PerUnitSums, reduce_scatter_sum, refuse_hybrid_sharding
-from flashdp.scan import TrainableParam
+from flashdp._pipeline.params import TrainableParam
+from flashdp._pipeline.profiling import PhaseTimer
+from flashdp.distributed.sharded import ShardedAdapter, refuse_hybrid_sharding
 
 
 def is_fsdp2(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return False
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-class FSDP2Adapter(Adapter):
+class FSDP2Adapter(ShardedAdapter):
     """The norm pass runs with `set_requires_gradient_sync(False)`; the ghost second pass lets FSDP2
     reduce-scatter (its mean, so the loss is scaled by the world size); bk sums are reduce-scattered into the
-    shards unit by unit (one collective once a unit's last trainable parameter has arrived); each rank noises its
-    own shard with its own generator.
+    shards unit by unit; each rank noises its own shard with its own generator.
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
+    def __init__(self, model: nn.Module, timer: PhaseTimer) -> None:
         self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         mesh = next(p for p in model.parameters()).device_mesh
         refuse_hybrid_sharding("FSDP2", mesh.ndim)
-        self.group = mesh.get_group()
-        self.world_size = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
         # each parameter's unit: the innermost FSDPModule holding it
-        self._unit_of: dict[int, int] = {}
+        self._unit_index: dict[int, int] = {}
         for unit, module in enumerate(self.fsdp_modules):
             for p in module.parameters():
-                self._unit_of[id(p)] = unit  # inner units come later in modules() order and overwrite
+                self._unit_index[id(p)] = unit  # inner units come later in modules() order and overwrite
         self._params = {id(p): p for p in model.parameters()}
-        trainable: list[set[int]] = [set() for _ in self.fsdp_modules]
-        for pid, unit in self._unit_of.items():
+        trainable: list[set[Hashable]] = [set() for _ in self.fsdp_modules]
+        for pid, unit in self._unit_index.items():
             if self._params[pid].requires_grad:
                 trainable[unit].add(pid)
-        self._sums = PerUnitSums(trainable, self._reduce_scatter)
+        super().__init__(timer, mesh.get_group(), trainable)
 
     @contextlib.contextmanager
     def norm_pass(self) -> Iterator[None]:
@@ -64,16 +56,11 @@ class FSDP2Adapter(Adapter):
     def second_pass_scale(self) -> float:
         return float(self.world_size)  # FSDP2 reduce-scatters the mean over ranks
 
-    def accumulate(self, param: TrainableParam, clipped_sum: Tensor) -> None:
-        self._sums.add(self._unit_of[id(param.param)], id(param.param), clipped_sum)
+    def unit_of(self, param: TrainableParam) -> tuple[int, Hashable]:
+        return self._unit_index[id(param.param)], id(param.param)
 
-    def accumulation_done(self) -> None:
-        self._sums.finish()
-
-    def _reduce_scatter(self, unit: int, sums: dict[int, Tensor]) -> None:
+    def reduce_scatter_unit(self, unit: int, sums: dict[Hashable, Tensor]) -> None:
         """One reduce-scatter for a unit: row r of `send` is rank r's dim-0 chunk of every parameter."""
-        from torch.distributed.tensor import DTensor
-
         dtype = functools.reduce(torch.promote_types, (full.dtype for full in sums.values()))
         chunks = [-(-full.shape[0] // self.world_size) for full in sums.values()]
         blocks = []
@@ -83,8 +70,7 @@ class FSDP2Adapter(Adapter):
             blocks.append(padded.reshape(self.world_size, -1))
         send = torch.cat(blocks, dim=1)  # [world, sum of chunk numels]
         received = send.new_empty(send.shape[1])
-        with self.timer.phase("communication"):
-            reduce_scatter_sum(received, send.reshape(-1), self.group)
+        self.reduce_scatter(received, send.reshape(-1))
         shards = received.split([b.shape[1] for b in blocks])
         for (pid, full), chunk, shard in zip(sums.items(), chunks, shards, strict=True):
             dtensor = self._params[pid]
@@ -100,6 +86,3 @@ class FSDP2Adapter(Adapter):
 
     def local_grad(self, param: Tensor) -> Tensor:
         return param.grad.to_local()
-
-    def noise_seed(self, seed: int) -> int:
-        return seed + 7919 * self.rank  # independent noise per shard

@@ -1,60 +1,58 @@
-"""Triton kernels for the hot paths, each beside the torch reference it must match.
+"""Triton kernels for the hot paths, each beside the plain-PyTorch reference it must match.
 
-The functions here dispatch: a Triton kernel when the engine's backend asks for one and the inputs suit it
-(`runtime.use_triton`), else the torch reference. Triton is imported only when a kernel runs, so flashdp imports
-on machines without it.
+Each op lives in a folder: `<op>/kernel.py` (the Triton kernel and its launcher) and `<op>/reference.py` (the
+reference, same function name, same arguments); the tests hold the two together. The table below is the one
+place that chooses between them: the kernel when the engine's backend asks for it and the inputs suit it
+(`runtime.use_triton`), else the reference. `kernel.py` modules are imported on first use, so flashdp imports
+and trains on machines without Triton.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+
 from torch import Tensor
 
+from flashdp.kernels.clipped_sum import reference as clipped_sum_reference
+from flashdp.kernels.norm_affine import reference as norm_affine_reference
+from flashdp.kernels.outer_norm import reference as outer_norm_reference
 from flashdp.kernels.runtime import BACKENDS, Backend, backend, triton_unavailable_reason, use_triton
 
 __all__ = [
     "BACKENDS",
     "Backend",
+    "KernelOp",
     "backend",
     "clipped_sum",
     "norm_affine_grads",
     "outer_direct_norm_sq",
     "outer_ghost_norm_sq",
     "triton_unavailable_reason",
-    "use_triton",
 ]
 
 
-def outer_direct_norm_sq(left: Tensor, right: Tensor) -> Tensor:
-    """`[N]` `||L_n^T R_n||^2` with L `[N, T, p]`, R `[N, T, d]`, never materialised by the kernel."""
-    from flashdp.kernels import outer_norm
+class KernelOp:
+    """A reference function and the Triton kernel of the same name in the sibling `kernel` module."""
 
-    if use_triton(left, right):
-        return outer_norm.outer_direct_norm_sq_triton(left, right)
-    return outer_norm.outer_direct_norm_sq_torch(left, right)
+    def __init__(self, reference: Callable[..., object]) -> None:
+        self.reference = reference
+        self.kernel_module = reference.__module__.rpartition(".")[0] + ".kernel"
+        self.__doc__ = reference.__doc__
 
+    def kernel(self) -> Callable[..., object]:
+        return getattr(importlib.import_module(self.kernel_module), self.reference.__name__)
 
-def outer_ghost_norm_sq(left: Tensor, right: Tensor) -> Tensor:
-    """`[N]` `||L_n^T R_n||^2` from Gram matrices tiled along T."""
-    from flashdp.kernels import outer_norm
-
-    if use_triton(left, right):
-        return outer_norm.outer_ghost_norm_sq_triton(left, right)
-    return outer_norm.outer_ghost_norm_sq_torch(left, right)
+    def __call__(self, first: Tensor, second: Tensor, *rest: object) -> object:
+        """The kernel when the backend sends these inputs to Triton, else the reference."""
+        return (self.kernel() if use_triton(first, second) else self.reference)(first, second, *rest)
 
 
-def clipped_sum(left: Tensor, right: Tensor, coef: Tensor, groups: int) -> Tensor:
-    """`[g, p, d]` `sum_b coef_b L_b^T R_b` per group (coef `[B]`)."""
-    from flashdp.kernels import bk_sum
-
-    if use_triton(left, right):
-        return bk_sum.clipped_sum_triton(left, right, coef, groups)
-    return bk_sum.clipped_sum_torch(left, right, coef, groups)
-
-
-def norm_affine_grads(x: Tensor, g: Tensor, eps: float, rms: bool, bias: bool) -> tuple[Tensor, Tensor | None]:
-    """Per-sample LayerNorm / RMSNorm affine gradients `([N, D], [N, D] or None)` from x, g `[N, T, D]`."""
-    from flashdp.kernels import norm_affine
-
-    if use_triton(x, g):
-        return norm_affine.norm_affine_grads_triton(x, g, eps, rms, bias)
-    return norm_affine.norm_affine_grads_torch(x, g, eps, rms, bias)
+#: `[N]` `||L_n^T R_n||^2` (L `[N, T, p]`, R `[N, T, d]`) accumulated over T in registers.
+outer_direct_norm_sq = KernelOp(outer_norm_reference.direct_norm_sq)
+#: `[N]` `||L_n^T R_n||^2` from Gram matrices tiled along T.
+outer_ghost_norm_sq = KernelOp(outer_norm_reference.ghost_norm_sq)
+#: `[g, p, d]` `sum_b c_b L_b^T R_b` per convolution group (c `[B]`), c applied inside the GEMM.
+clipped_sum = KernelOp(clipped_sum_reference.clipped_sum)
+#: per-sample LayerNorm / RMSNorm affine gradients `([N, D], [N, D] or None)` from x, g `[N, T, D]`.
+norm_affine_grads = KernelOp(norm_affine_reference.norm_affine_grads)

@@ -3,8 +3,8 @@
 Importing this package registers the built-in rules.
 """
 
+from flashdp.per_sample import OuterGrad, PerSampleGrad, TokenRows
 from flashdp.rules import conv, embedding, linear, norms
-from flashdp.rules.grads import OuterGrad, PerSampleGrad, TokenRows
 from flashdp.rules.registry import Rule, RuleMatch, find_rule, register_rule
 
 __all__ = [

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor, nn
 
 from flashdp.errors import FlashDPError
-from flashdp.rules.grads import OuterGrad, PerSampleGrad
+from flashdp.per_sample import OuterGrad, PerSampleGrad
 from flashdp.rules.registry import register_rule
 from flashdp.rules.shapes import sum_over_positions
 
@@ -21,8 +22,8 @@ def _padded(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
 def conv_grads(
     module: nn.Conv1d | nn.Conv2d, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]
 ) -> dict[str, PerSampleGrad]:
-    """Weight `[o, c/g, *k]`: per group, `G^T U` with U the unfolded input `[B*g, P, c/g * prod(k)]` and G the
-    output gradient `[B*g, P, o/g]` over the P output positions. Bias `[o]`: `sum_P G`."""
+    """Weight `[o, c/g, *k]`: per convolution group, `G^T U` with U the unfolded input `[B*g, P, c/g * prod(k)]`
+    and G the output gradient `[B*g, P, o/g]` over the P output positions. Bias `[o]`: `sum_P G`."""
     spatial = len(module.kernel_size)
     x = inputs[0]
     if x.dim() != spatial + 2:
@@ -44,12 +45,11 @@ def _weight_grad(module: nn.Conv1d | nn.Conv2d, x: Tensor, grad_output: Tensor) 
     if len(kernel) == 1:
         x, grad_output = x.unsqueeze(2), grad_output.unsqueeze(2)
         kernel, stride, dilation = (1, *kernel), (1, *stride), (1, *dilation)
-    batch, groups = x.shape[0], module.groups
+    conv_groups = module.groups
     cols = F.unfold(x, kernel, dilation=dilation, stride=stride)  # [B, c * prod(k), P]
-    cols = cols.view(batch, groups, -1, cols.shape[-1]).transpose(2, 3).reshape(batch * groups, cols.shape[-1], -1)
-    g = grad_output.reshape(batch, groups, module.out_channels // groups, -1)
-    g = g.transpose(2, 3).reshape(batch * groups, -1, module.out_channels // groups)
-    return OuterGrad(g, cols, groups=groups)
+    cols = rearrange(cols, "b (g k) p -> (b g) p k", g=conv_groups)
+    g = rearrange(grad_output.flatten(2), "b (g o) p -> (b g) p o", g=conv_groups)
+    return OuterGrad(g, cols, conv_groups=conv_groups)
 
 
 register_rule(nn.Conv1d, conv_grads)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from flashdp.errors import FlashDPError
-from flashdp.rules.grads import OuterGrad, TokenRows
+from flashdp.per_sample import OuterGrad, TokenRows
 from flashdp.rules.registry import register_rule
 
 

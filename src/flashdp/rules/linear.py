@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from flashdp.rules.grads import OuterGrad, PerSampleGrad
+from flashdp.per_sample import OuterGrad, PerSampleGrad
 from flashdp.rules.registry import register_rule
 from flashdp.rules.shapes import positions
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flashdp import kernels
-from flashdp.rules.grads import accumulation_dtype
+from flashdp.per_sample import accumulation_dtype
 from flashdp.rules.registry import register_rule
 from flashdp.rules.shapes import sum_over_positions
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from flashdp.rules.grads import PerSampleGrad
+from flashdp.per_sample import PerSampleGrad
 
 #: `(module, inputs, grad_output, trainable) -> {param name: per-sample grad}`.
 #: inputs: the positional inputs of one forward call (batch first); grad_output: `[B, ...]` gradient of the sum

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from flashdp.errors import FlashDPError
-from flashdp.rules.grads import accumulation_dtype
+from flashdp.per_sample import accumulation_dtype
 
 
 def positions(x: Tensor, what: str) -> Tensor:

@@ -1,4 +1,4 @@
-"""No gradient collective in the norm pass; norm_group sums squared norms over a tensor-parallel split."""
+"""The distributed set-up checks (checks.py) and a tensor-parallel norm_group, on 2 gloo processes."""
 
 import pytest
 import torch
@@ -6,43 +6,8 @@ import torch.distributed as dist
 from torch import nn
 
 import flashdp
+from tests.distributed import workloads
 from tests.distributed.launch import WORLD, run
-from tests.distributed.test_data_parallel import _data, _loss, _model, wrap
-
-GRADIENT_COLLECTIVES = ("allreduce", "all_reduce", "reduce_scatter")
-
-
-def _count_backward_collectives(rank: int, wrapper: str, mode: str) -> dict:
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    from torch.profiler import ProfilerActivity, profile
-
-    wrapped = wrap(_model(), wrapper)
-    engine = flashdp.make_private(
-        wrapped, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0,
-        optimizer=torch.optim.SGD(wrapped.parameters(), lr=0.1), expected_batch_size=8, sample_rate=0.1,
-    )  # fmt: skip
-    ids = _data()[rank * 4 : rank * 4 + 4]
-    loss = _loss(wrapped, ids)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.backward(loss)
-    names = [e.name for e in prof.events() if e.name.startswith("c10d::")]
-    gradient = [n for n in names if any(k in n for k in GRADIENT_COLLECTIVES)]
-    return {
-        "gradient_collectives": gradient,
-        "fsdp1_units": len(FullyShardedDataParallel.fsdp_modules(wrapped)),
-        "fsdp2_units": sum(isinstance(m, FSDPModule) for m in wrapped.modules()),
-    }
-
-
-@pytest.mark.parametrize("mode", ["bk", "ghost"])
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2", "fsdp1", "fsdp1-orig"])
-def test_backward_runs_only_the_gradient_collectives_of_its_clipped_sums(wrapper, mode):
-    """The norm pass syncs nothing. The clipped sums: under DDP reduced at step(); under FSDP2 one reduce-scatter
-    per unit (bk: flashdp's, ghost: FSDP2's own in the second backward); under FSDP1 (one backward in every mode)
-    one reduce-scatter per unit."""
-    for rank in run(_count_backward_collectives, wrapper, mode):
-        expected = {"ddp": 0, "fsdp2": rank["fsdp2_units"]}.get(wrapper, rank["fsdp1_units"])
-        assert len(rank["gradient_collectives"]) == expected, rank["gradient_collectives"]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -97,21 +62,22 @@ def _error_of(fn) -> str:
 
 
 def _norm_group_over_data_parallel_ranks(rank: int) -> str:
-    wrapped = wrap(_model(), "ddp")
+    wrapped = workloads.wrap(workloads.build_model(), "ddp")
     return _error_of(
         lambda: flashdp.make_private(wrapped, max_grad_norm=1.0, noise_multiplier=0.0, norm_group=dist.group.WORLD)
     )
 
 
 def _norm_group_without_tensor_parallel_layers(rank: int) -> str:
-    model = _model()  # replicated, each rank its own samples: nothing is split
+    model = workloads.build_model()  # replicated, each rank its own samples: nothing is split
     engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0, norm_group=dist.group.WORLD)
-    return _error_of(lambda: engine.backward(_loss(model, _data()[rank * 4 : rank * 4 + 4])))
+    ids = workloads.global_batch()[rank * 4 : rank * 4 + 4]
+    return _error_of(lambda: engine.backward(workloads.per_sample_loss(model, ids)))
 
 
 def _per_rank_expected_batch_size(rank: int) -> str:
     torch.manual_seed(0)
-    wrapped = wrap(nn.Linear(3, 1), "ddp")
+    wrapped = workloads.wrap(nn.Linear(3, 1), "ddp")
     engine = flashdp.make_private(
         wrapped, max_grad_norm=1.0, noise_multiplier=0.0, optimizer=torch.optim.SGD(wrapped.parameters(), lr=0.1),
         expected_batch_size=64,  # each rank's batch, not the global 128

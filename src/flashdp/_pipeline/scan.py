@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
+from flashdp._pipeline.params import ParamView, ParamViews, TrainableParam, local_param_views
 from flashdp.errors import FlashDPError
 from flashdp.rules import RuleMatch, find_rule
 
@@ -32,49 +32,14 @@ class Layer:
 
 
 @dataclass(frozen=True)
-class ParamView:
-    """A module's trainable parameter as its wrapper presents it (whole, a shard, or a view into a flat buffer)."""
-
-    #: what the module holds now
-    tensor: Tensor
-    #: equal for one parameter shared by several modules (tied weights): their contributions are summed
-    key: Hashable
-    #: the full, unsharded shape, which per-sample gradients have
-    shape: torch.Size
-
-
-#: a module's own trainable parameters by name, as the wrapper around the model presents them
-ParamViews = Callable[[nn.Module], dict[str, ParamView]]
-
-
-def local_param_views(module: nn.Module) -> dict[str, ParamView]:
-    """Parameters registered on the module itself (also FSDP2's DTensors, whose shape is the full one)."""
-    return {
-        name: ParamView(p, id(p), p.shape)
-        for name, p in module._parameters.items()
-        if p is not None and p.requires_grad
-    }
-
-
-@dataclass(frozen=True)
-class TrainableParam:
-    """A trainable parameter, once, with its name and its clipping group (layers sharing it form one group)."""
-
-    name: str
-    param: Tensor
-    group: int
-    key: Hashable
-    shape: torch.Size
-
-
-@dataclass(frozen=True)
 class ModelScan:
     layers: list[Layer]
     params: list[TrainableParam]
-    group_names: list[str]
+    #: a name per clipping group (the path of its first layer)
+    clip_group_names: list[str]
     #: (id(module), parameter name) -> the parameter as registered at make_private. Wrappers such as FSDP2 swap
     #: the objects registered on a module (sharded / unsharded), so a module and a name identify a parameter.
-    slots: dict[tuple[int, str], TrainableParam]
+    param_of: dict[tuple[int, str], TrainableParam]
 
 
 def scan_model(model: nn.Module, param_views: ParamViews = local_param_views) -> ModelScan:
@@ -83,7 +48,7 @@ def scan_model(model: nn.Module, param_views: ParamViews = local_param_views) ->
     layers, problems = [], []
     owners: dict[Hashable, list[int]] = {}  # parameter key -> indices of the layers that own it
     names: dict[Hashable, tuple[str, ParamView]] = {}
-    slot_keys: dict[tuple[int, str], Hashable] = {}
+    key_of: dict[tuple[int, str], Hashable] = {}
     for path, module in model.named_modules():
         own = param_views(module)
         if not own:
@@ -96,7 +61,7 @@ def scan_model(model: nn.Module, param_views: ParamViews = local_param_views) ->
         for name, view in own.items():
             owners.setdefault(view.key, []).append(len(layers))
             names.setdefault(view.key, (f"{path}.{name}" if path else name, view))
-            slot_keys[(id(module), name)] = view.key
+            key_of[(id(module), name)] = view.key
         layers.append(Layer(path, module, match, tuple(own)))
     if problems:
         raise FlashDPError(
@@ -109,16 +74,16 @@ def scan_model(model: nn.Module, param_views: ParamViews = local_param_views) ->
         raise FlashDPError(
             "The model has no trainable parameters (none with requires_grad=True): nothing to train privately."
         )
-    group_of_layer = _union_groups(len(layers), owners.values())
-    tracked = {
-        key: TrainableParam(name, view.tensor, group_of_layer[owners[key][0]], key, view.shape)
+    clip_group_of_layer = _union_groups(len(layers), owners.values())
+    params = {
+        key: TrainableParam(name, view.tensor, clip_group_of_layer[owners[key][0]], key, view.shape)
         for key, (name, view) in names.items()
     }
-    group_names = [""] * (max(group_of_layer) + 1)
-    for layer, group in zip(layers, group_of_layer, strict=True):
-        group_names[group] = group_names[group] or layer.path
-    slots = {slot: tracked[key] for slot, key in slot_keys.items()}
-    return ModelScan(layers, list(tracked.values()), group_names, slots)
+    clip_group_names = [""] * (max(clip_group_of_layer) + 1)
+    for layer, clip_group in zip(layers, clip_group_of_layer, strict=True):
+        clip_group_names[clip_group] = clip_group_names[clip_group] or layer.path
+    param_of = {where: params[key] for where, key in key_of.items()}
+    return ModelScan(layers, list(params.values()), clip_group_names, param_of)
 
 
 def _refuse_sample_mixing(model: nn.Module) -> None:
@@ -131,7 +96,7 @@ def _refuse_sample_mixing(model: nn.Module) -> None:
         )
 
 
-def _coverage_problem(path: str, module: nn.Module, match: RuleMatch | None, own: dict) -> str | None:
+def _coverage_problem(path: str, module: nn.Module, match: RuleMatch | None, own: dict[str, ParamView]) -> str | None:
     where = f"'{path or '<root>'}' ({type(module).__module__}.{type(module).__qualname__})"
     if match is None:
         return f"{where}: parameters {sorted(own)} have no per-sample gradient rule"
@@ -142,8 +107,8 @@ def _coverage_problem(path: str, module: nn.Module, match: RuleMatch | None, own
     return f"{where}: {reason}" if reason else None
 
 
-def _union_groups(count: int, shared: object) -> list[int]:
-    """Group index per layer: layers that share a parameter are one group (numbered by first layer)."""
+def _union_groups(count: int, shared: Iterable[list[int]]) -> list[int]:
+    """Clipping group per layer: layers that share a parameter are one group (numbered by first layer)."""
     parent = list(range(count))
 
     def root(i: int) -> int:

@@ -1,4 +1,4 @@
-"""How a rule describes one call's per-sample gradients of one parameter.
+"""How a rule describes one call's per-sample gradients of one parameter (a leaf module: it imports only torch).
 
 Two forms:
 
@@ -38,13 +38,14 @@ class OuterGrad:
 
     left: `[N, T, p]` dense, or `TokenRows` (one-hot rows, p = num_rows).
     right: `[N, T, d]`.
-    groups: the parameter is `groups` disjoint `[p, d]` blocks (grouped convolution); sample b owns the rows
-        `n = b * groups + j`, and its gradient stacks them to `[groups * p, d]`, viewed as the parameter's shape.
+    conv_groups: the parameter is `conv_groups` disjoint `[p, d]` blocks (grouped convolution); sample b owns the
+        rows `n = b * conv_groups + j`, and its gradient stacks them to `[conv_groups * p, d]`, viewed as the
+        parameter's shape.
     """
 
     left: Tensor | TokenRows
     right: Tensor
-    groups: int = 1
+    conv_groups: int = 1
 
     def __post_init__(self) -> None:
         n, t, _ = self.left.shape
@@ -53,8 +54,8 @@ class OuterGrad:
                 f"OuterGrad: left is [N, T, p] = {tuple(self.left.shape)} but right is "
                 f"{tuple(self.right.shape)}; expected right as [N, T, d] with the same N and T."
             )
-        if n % self.groups:
-            raise ValueError(f"OuterGrad: N = {n} rows is not a multiple of groups = {self.groups}.")
+        if n % self.conv_groups:
+            raise ValueError(f"OuterGrad: N = {n} rows is not a multiple of conv_groups = {self.conv_groups}.")
 
     @property
     def is_tokens(self) -> bool:
@@ -70,7 +71,7 @@ PerSampleGrad = Tensor | OuterGrad
 
 
 def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
-    """float32 for half-precision inputs, float64 stays float64."""
+    """The dtype sums are accumulated in: float32 for half and single precision inputs, float64 stays float64."""
     dtype = torch.float32
     for t in tensors:
         if t.is_floating_point():

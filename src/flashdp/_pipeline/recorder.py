@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from flashdp._pipeline.scan import Layer
 from flashdp.errors import FlashDPError
-from flashdp.scan import Layer
 
 #: Relative error allowed when checking a module's forward against its rule's. It catches a different function
 #: (errors of order 1), not rounding: HF norms compute in float32 even for float64 inputs.

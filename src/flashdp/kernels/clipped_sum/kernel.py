@@ -1,4 +1,5 @@
-"""The book-keeping clipped sum `sum_b c_b L_b^T R_b` per group, with c applied inside the GEMM.
+"""Triton kernel for the book-keeping clipped sum `sum_b c_b L_b^T R_b` per convolution group, with c applied
+inside the GEMM; matches `reference.clipped_sum`.
 
 L `[B * g, T, p]`, R `[B * g, T, d]` (rows `b * g + j` belong to sample b, group j); out `[g, p, d]` in float32.
 Each tile of L is scaled by its sample's coefficient in registers: no scaled copy of L is written.
@@ -11,9 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashdp import outer
-from flashdp.kernels.outer_norm import _tile, _upcast, load_tile
-from flashdp.rules.grads import OuterGrad
+from flashdp.kernels.tiles import load_tile, output_tile, tile_size, upcast_tiles
 
 
 @triton.jit
@@ -23,10 +22,7 @@ def _clipped_sum_kernel(
     BT: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     group = tl.program_id(0)
-    ip = tl.program_id(1)
-    idd = tl.program_id(2)
-    rp = ip * BP + tl.arange(0, BP)
-    rd = idd * BD + tl.arange(0, BD)
+    rp, rd = output_tile(BP, BD)
     acc = tl.zeros((BP, BD), dtype=tl.float32)
     for b in range(0, B):
         coef = tl.load(C + b)
@@ -41,23 +37,16 @@ def _clipped_sum_kernel(
     tl.store(out + (group * P + rp[:, None]) * D + rd[None, :], acc, mask=mask)
 
 
-def clipped_sum_triton(left: Tensor, right: Tensor, coef: Tensor, groups: int = 1, block: int = 64) -> Tensor:
+def clipped_sum(left: Tensor, right: Tensor, coef: Tensor, conv_groups: int = 1, block: int = 64) -> Tensor:
     """`[g, p, d]` float32. coef: `[B]` per-sample coefficients."""
     rows, t, p = left.shape
     d = right.shape[2]
-    bp, bd, bt = _tile(p, block), _tile(d, block), _tile(t, block)
-    out = torch.full((groups, p, d), float("nan"), device=left.device, dtype=torch.float32)
+    bp, bd, bt = tile_size(p, block), tile_size(d, block), tile_size(t, block)
+    out = torch.full((conv_groups, p, d), float("nan"), device=left.device, dtype=torch.float32)
     coef = coef.to(device=left.device, dtype=torch.float32).contiguous()
-    grid = (groups, triton.cdiv(p, bp), triton.cdiv(d, bd))
+    grid = (conv_groups, triton.cdiv(p, bp), triton.cdiv(d, bd))
     _clipped_sum_kernel[grid](
-        left, right, coef, out, rows // groups, groups, t, p, d, *left.stride(), *right.stride(),
-        BT=bt, BP=bp, BD=bd, UPCAST=_upcast(left),
+        left, right, coef, out, rows // conv_groups, conv_groups, t, p, d, *left.stride(), *right.stride(),
+        BT=bt, BP=bp, BD=bd, UPCAST=upcast_tiles(),
     )  # fmt: skip
     return out
-
-
-def clipped_sum_torch(left: Tensor, right: Tensor, coef: Tensor, groups: int = 1) -> Tensor:
-    """Reference: scale a float32 copy of L, one GEMM per group."""
-    return outer.clipped_sum_factors(
-        [OuterGrad(left, right, groups)], coef, torch.promote_types(left.dtype, torch.float32)
-    )

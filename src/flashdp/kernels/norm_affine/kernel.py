@@ -1,4 +1,5 @@
-"""Per-sample gradients of a LayerNorm / RMSNorm's affine parameters, in one pass over x and g.
+"""Triton kernel for the per-sample gradients of a LayerNorm / RMSNorm's affine parameters, in one pass over x
+and g; matches `reference.norm_affine_grads`.
 
 x, g `[N, T, D]` (normalised over the last dim D): `dw_n = sum_t x_hat_t * g_t`, `db_n = sum_t g_t`, with
 x_hat = (x - mean) / sqrt(var + eps) (LayerNorm) or x / sqrt(mean(x^2) + eps) (RMS). Statistics in float32.
@@ -7,12 +8,11 @@ x_hat = (x - mean) / sqrt(var + eps) (LayerNorm) or x / sqrt(mean(x^2) + eps) (R
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashdp.kernels.outer_norm import load_tile
+from flashdp.kernels.tiles import load_tile
 
 
 @triton.jit
@@ -46,7 +46,7 @@ def _norm_affine_kernel(
         tl.store(Bias + n * D + rd, b_acc, mask=dmask)
 
 
-def norm_affine_grads_triton(x: Tensor, g: Tensor, eps: float, rms: bool, bias: bool) -> tuple[Tensor, Tensor | None]:
+def norm_affine_grads(x: Tensor, g: Tensor, eps: float, rms: bool, bias: bool) -> tuple[Tensor, Tensor | None]:
     """(weight `[N, D]`, bias `[N, D]` or None), float32."""
     n, t, d = x.shape
     bd = triton.next_power_of_2(max(d, 1))
@@ -59,12 +59,3 @@ def norm_affine_grads_triton(x: Tensor, g: Tensor, eps: float, rms: bool, bias: 
             RMS=rms, HAS_BIAS=bias, BT=bt, BD=bd,
         )  # fmt: skip
     return weight, (bias_out if bias else None)
-
-
-def norm_affine_grads_torch(x: Tensor, g: Tensor, eps: float, rms: bool, bias: bool) -> tuple[Tensor, Tensor | None]:
-    """Reference in float32 (float64 stays float64)."""
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    x = x.to(dtype)
-    x_hat = F.rms_norm(x, x.shape[-1:], eps=eps) if rms else F.layer_norm(x, x.shape[-1:], eps=eps)
-    g = g.to(dtype)
-    return (x_hat * g).sum(1), (g.sum(1) if bias else None)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import flashdp
-from flashdp.profiling import PHASES, PhaseTimer
+from flashdp._pipeline.profiling import PHASES, PhaseTimer
 
 
 @pytest.mark.parametrize("mode", ["bk", "ghost"])

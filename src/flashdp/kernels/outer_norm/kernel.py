@@ -1,10 +1,10 @@
-"""Per-sample squared norms of `g_n = L_n^T R_n` (L `[N, T, p]`, R `[N, T, d]`) without materialising g_n.
+"""Triton kernels for per-sample squared norms of `g_n = L_n^T R_n` (L `[N, T, p]`, R `[N, T, d]`), never
+materialising g_n; each matches the function of the same name in `reference.py`.
 
-- `outer_direct_norm_sq_triton`: tiles of `L^T R` accumulated over T in registers (float32), squared, reduced.
-- `outer_ghost_norm_sq_triton`: `sum_{j <= k} w_jk <L_j L_k^T, R_j R_k^T>` over pairs of T tiles (w = 2 off the
-  diagonal); no T x T matrix beyond one tile pair.
-Both write per-program partials that torch sums in a fixed order (deterministic, no atomics). Each has its torch
-reference beside it; tests hold them together.
+- `direct_norm_sq`: tiles of `L^T R` accumulated over T in registers (float32), squared, reduced.
+- `ghost_norm_sq`: `sum_{j <= k} w_jk <L_j L_k^T, R_j R_k^T>` over pairs of T tiles (w = 2 off the diagonal);
+  no T x T matrix beyond one tile pair.
+Both write per-program partials that torch sums in a fixed order (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -14,36 +14,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashdp import outer
-from flashdp.kernels.runtime import interpreter
-from flashdp.rules.grads import OuterGrad
-
-
-def _tile(size: int, limit: int) -> int:
-    return max(16, min(limit, triton.next_power_of_2(max(size, 1))))
+from flashdp.kernels.tiles import load_tile, output_tile, tile_size, upcast_tiles
 
 
 @triton.jit
-def load_tile(X, row, s_row, s_pos, s_col, positions, columns, T, K, UPCAST: tl.constexpr):
-    """`[len(positions), len(columns)]` tile of row `row` of X `[N, T, K]` (zeros outside), float32 if UPCAST."""
-    mask = (positions[:, None] < T) & (columns[None, :] < K)
-    tile = tl.load(X + row * s_row + positions[:, None] * s_pos + columns[None, :] * s_col, mask=mask, other=0.0)
-    if UPCAST:
-        tile = tile.to(tl.float32)
-    return tile
-
-
-@triton.jit
-def _outer_direct_norm_kernel(
+def _direct_norm_kernel(
     L, R, partial, T, P, D,
     sln, slt, slp, srn, srt, srd,
     BT: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
-    ip = tl.program_id(1)
-    idd = tl.program_id(2)
-    rp = ip * BP + tl.arange(0, BP)
-    rd = idd * BD + tl.arange(0, BD)
+    rp, rd = output_tile(BP, BD)
     acc = tl.zeros((BP, BD), dtype=tl.float32)
     for t0 in range(0, T, BT):
         rt = t0 + tl.arange(0, BT)
@@ -51,27 +32,22 @@ def _outer_direct_norm_kernel(
         right = load_tile(R, n, srn, srt, srd, rt, rd, T, D, UPCAST)
         acc += tl.dot(tl.trans(left), right, input_precision="ieee")
     total = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
-    tl.store(partial + (n * tl.num_programs(1) + ip) * tl.num_programs(2) + idd, total)
+    tl.store(partial + (n * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2), total)
 
 
-def outer_direct_norm_sq_triton(left: Tensor, right: Tensor, block: int = 64) -> Tensor:
+def direct_norm_sq(left: Tensor, right: Tensor, block: int = 64) -> Tensor:
     """`[N]` float32 `||L_n^T R_n||_F^2`. left `[N, T, p]`, right `[N, T, d]` (any strides)."""
     n, t, p = left.shape
     d = right.shape[2]
-    bp, bd, bt = _tile(p, block), _tile(d, block), _tile(t, block)
+    bp, bd, bt = tile_size(p, block), tile_size(d, block), tile_size(t, block)
     grid = (n, triton.cdiv(p, bp), triton.cdiv(d, bd))
     partial = torch.full(grid, float("nan"), device=left.device, dtype=torch.float32)
     if n:
-        _outer_direct_norm_kernel[grid](
+        _direct_norm_kernel[grid](
             left, right, partial, t, p, d, *left.stride(), *right.stride(),
-            BT=bt, BP=bp, BD=bd, UPCAST=_upcast(left),
+            BT=bt, BP=bp, BD=bd, UPCAST=upcast_tiles(),
         )  # fmt: skip
     return partial.sum((1, 2))
-
-
-def outer_direct_norm_sq_torch(left: Tensor, right: Tensor) -> Tensor:
-    """Reference: materialise `L_n^T R_n` in float32 (float64 stays float64)."""
-    return outer.sum_of_squares(outer.per_sample_blocks([OuterGrad(left, right)], _acc(left)))
 
 
 @triton.jit
@@ -87,7 +63,7 @@ def _gram_tile(X, n, sxn, sxt, sxk, rj, rk, T, K, BT: tl.constexpr, BK: tl.const
 
 
 @triton.jit
-def _outer_ghost_norm_kernel(
+def _ghost_norm_kernel(
     L, R, pairs, partial, T, P, D,
     sln, slt, slp, srn, srt, srd,
     BT: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
@@ -105,31 +81,17 @@ def _outer_ghost_norm_kernel(
     tl.store(partial + n * tl.num_programs(1) + pair, total)
 
 
-def outer_ghost_norm_sq_triton(left: Tensor, right: Tensor, tile: int = 64, chunk: int = 64) -> Tensor:
+def ghost_norm_sq(left: Tensor, right: Tensor, tile: int = 64, chunk: int = 64) -> Tensor:
     """`[N]` float32 `||L_n^T R_n||_F^2` from Gram matrices of T tiles (pairs j <= k)."""
     n, t, p = left.shape
     d = right.shape[2]
-    bt = _tile(t, tile)
+    bt = tile_size(t, tile)
     tiles = triton.cdiv(t, bt)
     pairs = torch.triu_indices(tiles, tiles).T.contiguous().to(device=left.device, dtype=torch.int32)
     partial = torch.full((n, len(pairs)), float("nan"), device=left.device, dtype=torch.float32)
     if n:
-        _outer_ghost_norm_kernel[(n, len(pairs))](
+        _ghost_norm_kernel[(n, len(pairs))](
             left, right, pairs, partial, t, p, d, *left.stride(), *right.stride(),
-            BT=bt, BK=_tile(max(p, d), chunk), UPCAST=_upcast(left),
+            BT=bt, BK=tile_size(max(p, d), chunk), UPCAST=upcast_tiles(),
         )  # fmt: skip
     return partial.sum(1)
-
-
-def outer_ghost_norm_sq_torch(left: Tensor, right: Tensor, tile: int | None = None) -> Tensor:
-    """Reference: tiled Gram matrices in float32 (float64 stays float64)."""
-    return outer.ghost_norm_sq([OuterGrad(left, right)], _acc(left), tile)
-
-
-def _upcast(x: Tensor) -> bool:
-    """The interpreter multiplies half-precision tiles wrongly in tl.dot: cast them to float32 there."""
-    return interpreter()
-
-
-def _acc(x: Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)

@@ -1,0 +1,21 @@
+"""The stages of a DP-SGD step, in the order `DPEngine` runs them (private: the public surface is `flashdp`).
+
+At `make_private`:
+    settings.py     the engine's settings, checked once (`EngineSettings`)
+    scan.py         the trainable layers, their rules and clipping groups (`ModelScan`); params.py: how a
+                    parameter is identified whatever wraps the model
+
+Each `engine.backward(loss)`:
+    1. record       recorder.py: forward hooks keep references to each trainable layer call's inputs and the
+                    gradient edge of its output
+    2. norm pass    norm_pass.py: one autograd pass to those edges (no parameter gradient), then each call's rule
+                    turns inputs and output gradients into per-sample gradients, collected per parameter
+    3. norms        param_grad.py: per parameter, the exact squared norm of the sum of its contributions and a
+                    `ClippedSumPlan` of what the clipped sum needs (blocks.py: the math on outer-product blocks)
+    4. coefficients clipping.py: per-sample clipping coefficients from the norms of each clipping group
+    5. sums         bk: each plan's `sum_i c_i g_i`; ghost / flash: a second backward of `sum_i c_i loss_i`
+    6. adapter      `flashdp.distributed`: where the sums go (local `.grad`, DDP, FSDP2 or FSDP1 shards)
+
+Each `engine.step()`: the adapter's gradient reduction, noise (`flashdp.privacy`), 1 / expected_batch_size, the
+optimizer, the accountant. profiling.py times every phase on request.
+"""

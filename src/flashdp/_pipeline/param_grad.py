@@ -1,0 +1,151 @@
+"""One parameter's per-sample gradients in one backward: the exact norm of the SUM of every contribution (a
+module called several times, a parameter shared by several modules), and the plan of its clipped sum."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from flashdp import kernels
+from flashdp._pipeline import blocks
+from flashdp.errors import FlashDPError
+from flashdp.kernels.outer_norm.reference import ghost_inner, per_sample, sum_of_squares
+from flashdp.per_sample import OuterGrad, PerSampleGrad, accumulation_dtype
+
+StrategyChoice = Literal["auto", "ghost", "direct"]
+
+
+@dataclass(frozen=True)
+class ClippedSumPlan:
+    """What one parameter's clipped sum `sum_b c_b g_b` needs, kept after its norm (book-keeping)."""
+
+    shape: torch.Size
+    #: `[B, ...]`: each sample's gradient, laid out as the parameter flattened
+    per_sample: Tensor | None = None
+    #: dense outer-product blocks, positions concatenated: the sum is one GEMM with c applied inside
+    factors: OuterGrad | None = None
+    #: embedding rows: the sum is an index_add of `c_b g_t`
+    tokens: OuterGrad | None = None
+
+    def clipped_sum(self, coef: Tensor) -> Tensor:
+        """`sum_b coef_b g_b`, shaped like the parameter. coef: `[B]`."""
+        parts = []
+        if self.per_sample is not None:
+            parts.append(coef.to(self.per_sample.dtype) @ self.per_sample.flatten(1))  # a GEMV, not a bmm
+        if self.factors is not None:
+            f = self.factors
+            parts.append(kernels.clipped_sum(f.left, f.right, coef, f.conv_groups))
+        if self.tokens is not None:
+            parts.append(blocks.token_clipped_sum(self.tokens, coef))
+        return functools.reduce(torch.add, (p.reshape(self.shape) for p in parts))
+
+
+@dataclass(frozen=True)
+class ParamNorm:
+    #: `[B]` squared norms of the per-sample gradients, float32 (float64 for float64 inputs)
+    norm_sq: Tensor
+    #: how the norm was computed, e.g. "ghost", "direct+tokens", "per-sample"
+    strategy: str
+    #: what the clipped sum needs; None unless asked for (ghost and flash take theirs from a second backward)
+    plan: ClippedSumPlan | None
+
+
+class ParamGradient:
+    """Collects a parameter's contributions (`add`), then `norm_sq` gives their norms and the clipped-sum plan.
+
+    With `keep_for_sum`, the plan keeps only what the clipped sum needs: the per-sample gradients when the cost
+    model materialised them (direct), else the factors. Without it (ghost, flash) the direct norm comes from a
+    kernel that never materialises them.
+    """
+
+    def __init__(self, name: str, shape: torch.Size, batch_size: int, strategy: StrategyChoice = "auto") -> None:
+        self.name = name
+        self.shape = torch.Size(shape)
+        self.batch_size = batch_size
+        self.strategy_choice = strategy
+        self.per_sample: Tensor | None = None  # [B, *shape], from rules that materialise
+        self.blocks: list[OuterGrad] = []
+
+    def add(self, grad: PerSampleGrad, source: str) -> None:
+        if isinstance(grad, OuterGrad):
+            self._check_block(grad, source)
+            self.blocks.append(grad)
+            return
+        if not isinstance(grad, Tensor) or grad.shape != (self.batch_size, *self.shape):
+            got = tuple(grad.shape) if isinstance(grad, Tensor) else type(grad).__name__
+            raise FlashDPError(
+                f"Rule for {source} returned a per-sample gradient of shape {got} for '{self.name}'; expected "
+                f"[B, *param.shape] = {(self.batch_size, *self.shape)} or an OuterGrad."
+            )
+        grad = grad.to(accumulation_dtype(grad))
+        self.per_sample = grad if self.per_sample is None else self.per_sample + grad
+
+    def _check_block(self, grad: OuterGrad, source: str) -> None:
+        p, d = grad.block_shape
+        rows = grad.right.shape[0]
+        if rows != self.batch_size * grad.conv_groups or grad.conv_groups * p * d != self.shape.numel():
+            raise FlashDPError(
+                f"Rule for {source} returned an OuterGrad for '{self.name}' with {rows} rows of [{p}, {d}] blocks "
+                f"in {grad.conv_groups} group(s); the parameter has shape {tuple(self.shape)} and the batch "
+                f"{self.batch_size} samples."
+            )
+        first = self.blocks[0] if self.blocks else None
+        if first is not None and (first.conv_groups, first.block_shape) != (grad.conv_groups, (p, d)):
+            raise FlashDPError(f"'{self.name}' is used by layers whose gradients do not share a layout ({source}).")
+
+    def norm_sq(self, keep_for_sum: bool) -> ParamNorm:
+        """The `[B]` squared norms, and with `keep_for_sum` the plan of the clipped sum."""
+        if self.per_sample is not None and self.blocks:
+            raise FlashDPError(
+                f"'{self.name}' is shared by layers of different kinds (a factored and a materialised per-sample "
+                "gradient); flashdp cannot combine them exactly. Untie the parameter or freeze it."
+            )
+        if self.per_sample is not None:
+            plan = ClippedSumPlan(self.shape, per_sample=self.per_sample) if keep_for_sum else None
+            return ParamNorm(sum_of_squares(self.per_sample), "per-sample", plan)
+        return self._blocks_norm_sq(keep_for_sum)
+
+    def _blocks_norm_sq(self, keep_for_sum: bool) -> ParamNorm:
+        dtype = accumulation_dtype(*(b.right for b in self.blocks))
+        dense = [b for b in self.blocks if not b.is_tokens]
+        tokens = [b for b in self.blocks if b.is_tokens]
+        token_block = blocks.concat_positions(tokens) if tokens else None
+        factors = blocks.concat_positions(dense) if dense else None
+        materialised = None
+        total = self.blocks[0].right.new_zeros(self.blocks[0].right.shape[0], dtype=dtype)
+        strategies = []
+        if factors is not None:
+            strategy = self._choose(factors)
+            strategies.append(strategy)
+            if strategy == "direct" and (keep_for_sum or token_block is not None):
+                # materialised: kept for the bk sum, or needed for the cross term with a tied table
+                materialised = per_sample(factors.left, factors.right, dtype)
+                total += sum_of_squares(materialised)
+                if token_block is not None:
+                    total += 2 * blocks.token_inner_with_per_sample(materialised, token_block)
+                factors = None
+            else:  # the norm alone: a kernel where it can run, never the per-sample gradient
+                norm = kernels.outer_direct_norm_sq if strategy == "direct" else kernels.outer_ghost_norm_sq
+                total += norm(factors.left, factors.right).to(dtype)
+                if token_block is not None:
+                    total += 2 * ghost_inner(factors, token_block)
+        if token_block is not None:
+            strategies.append("tokens")
+            total += blocks.token_norm_sq(token_block)
+        plan = None
+        if keep_for_sum:
+            if materialised is not None:
+                materialised = materialised.view(self.batch_size, self.shape.numel())  # rows b * g + j, stacked
+            plan = ClippedSumPlan(self.shape, materialised, factors, token_block)
+        norm_sq = total.view(self.batch_size, self.blocks[0].conv_groups).sum(1)
+        return ParamNorm(norm_sq, "+".join(strategies), plan)
+
+    def _choose(self, factors: OuterGrad) -> str:
+        if self.strategy_choice != "auto":
+            return self.strategy_choice
+        p, d = factors.block_shape
+        return blocks.norm_strategy(factors.right.shape[1], p, d)

@@ -1,0 +1,65 @@
+"""The engine's settings from make_private, checked once (the privacy arguments: `flashdp.privacy.settings`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from flashdp._pipeline.clipping import CLIPPING_STYLES, Clipping
+from flashdp._pipeline.param_grad import StrategyChoice
+from flashdp.errors import FlashDPError
+from flashdp.kernels import BACKENDS, Backend, triton_unavailable_reason
+
+Mode = Literal["ghost", "flash", "bk"]
+MODES: tuple[str, ...] = ("ghost", "flash", "bk")
+NORM_STRATEGIES: tuple[str, ...] = ("auto", "ghost", "direct")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the engine clips. `kernels` is the backend requested; `backend` the one it runs."""
+
+    mode: Mode
+    max_grad_norm: float
+    clipping: Clipping = "flat"
+    norm_strategy: StrategyChoice = "auto"
+    kernels: Backend = "auto"
+    seed: int | None = None
+    secure_rng: bool = False
+    profile: bool = False
+    backend: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, MODES)
+        _check_choice("kernels", self.kernels, BACKENDS)
+        object.__setattr__(self, "backend", self._resolve_backend())
+        _check_choice("clipping", self.clipping, CLIPPING_STYLES)
+        _check_choice("norm_strategy", self.norm_strategy, NORM_STRATEGIES)
+        c = self.max_grad_norm
+        if not (isinstance(c, int | float) and 0 < c < float("inf")):
+            raise FlashDPError(f"max_grad_norm must be a positive finite number. Received {c!r}.")
+
+    def _resolve_backend(self) -> str:
+        """The kernels this engine runs: flash means Triton kernels; "triton" must be able to run here."""
+        if self.mode == "flash" and self.kernels == "torch":
+            raise FlashDPError("mode='flash' computes norms with Triton kernels; kernels='torch' contradicts it.")
+        if self.mode == "flash" or self.kernels == "triton":
+            reason = triton_unavailable_reason()
+            if reason is not None:
+                what = "mode='flash'" if self.mode == "flash" else "kernels='triton'"
+                raise FlashDPError(
+                    f"{what} needs Triton kernels, which cannot run here: {reason}. Use mode='bk' (one backward, "
+                    "plain PyTorch) or mode='ghost'."
+                )
+            return "triton"
+        return self.kernels
+
+    @property
+    def second_backward(self) -> bool:
+        """ghost and flash fill `.grad` by a second backward, except per-layer clipping, which needs bk's sums."""
+        return self.mode in ("ghost", "flash") and self.clipping != "per_layer"
+
+
+def _check_choice(what: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise FlashDPError(f"{what} must be one of {', '.join(map(repr, allowed))}. Received {value!r}.")

@@ -1,0 +1,82 @@
+"""The adapter interface, implemented here for a single process: where clipped sums go and how step() reduces
+and noises gradients. The data-parallel wrappers implement it in `ddp.py`, `fsdp1.py` and `fsdp2.py`."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from flashdp._pipeline.params import ParamView, TrainableParam, local_param_views
+from flashdp._pipeline.profiling import PhaseTimer
+
+
+class Adapter:
+    """A single process: gradients are local and whole."""
+
+    world_size = 1
+    #: the data-parallel group, whose ranks hold different samples (None: one process)
+    dp_group: dist.ProcessGroup | None = None
+    #: whether ghost and flash may run a second backward over the graph of the norm pass
+    second_backward = True
+
+    def __init__(self, timer: PhaseTimer) -> None:
+        #: the engine's timer; collectives are timed as "communication"
+        self.timer = timer
+
+    def param_views(self, module: nn.Module) -> dict[str, ParamView]:
+        """The module's own trainable parameters, with their full shapes and identities."""
+        return local_param_views(module)
+
+    def attach(self) -> None:
+        """Change what the engine needs changed on the wrapper (`detach()` restores it)."""
+
+    def norm_pass(self) -> contextlib.AbstractContextManager:
+        """Around the norm pass: no gradient collective may run in it."""
+        return contextlib.nullcontext()
+
+    @property
+    def second_pass_scale(self) -> float:
+        """Loss factor of the ghost second pass, so that the wrapper's gradient reduction yields the SUM."""
+        return 1.0
+
+    def accumulate(self, param: TrainableParam, clipped_sum: Tensor) -> None:
+        """`grad += clipped_sum` (this rank's samples, full parameter shape) where the optimizer will read it."""
+        add_to_grad(param.param, clipped_sum)
+
+    def accumulation_done(self) -> None:
+        """After the last `accumulate` of one backward."""
+
+    def gradient_holders(self, params: list[TrainableParam]) -> list[Tensor]:
+        """The tensors whose `.grad` step() noises and averages: every trainable coordinate once."""
+        return [p.param for p in params]
+
+    def reduce_gradients(self, params: list[Tensor]) -> None:
+        """At step(), before the noise: make every rank's gradient the sum over all ranks' samples."""
+
+    def local_grad(self, param: Tensor) -> Tensor:
+        """The part of `param.grad` this rank adds noise to."""
+        return param.grad
+
+    def noise_seed(self, seed: int) -> int:
+        """The seed of this rank's noise generator, from this process's seed."""
+        return seed
+
+    def shared_noise(self, noise: Tensor) -> Tensor:
+        """Noise that must be equal on every rank holding the same coordinates is made so here."""
+        return noise
+
+    def zero_grad(self) -> None:
+        """After `optimizer.zero_grad()`: clear gradients the optimizer does not see."""
+
+    def detach(self) -> None:
+        """Undo what attaching changed on the wrapper."""
+
+
+def add_to_grad(param: Tensor, value: Tensor) -> None:
+    """`param.grad += value`, creating it in the parameter's dtype."""
+    if param.grad is None:
+        param.grad = value.to(param.dtype)
+    else:
+        param.grad.add_(value.to(param.grad.dtype))

@@ -1,0 +1,1 @@
+"""Per-sample LayerNorm / RMSNorm affine gradients: `kernel.py` (Triton), `reference.py`."""

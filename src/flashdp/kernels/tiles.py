@@ -1,0 +1,38 @@
+"""Tile helpers shared by the Triton kernels (imported only by the `kernel.py` modules, so only where Triton is)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashdp.kernels.runtime import interpreter
+
+
+def tile_size(size: int, limit: int) -> int:
+    """A power-of-two tile covering `size`, between 16 (the smallest `tl.dot` operand) and `limit`."""
+    return max(16, min(limit, triton.next_power_of_2(max(size, 1))))
+
+
+def upcast_tiles() -> bool:
+    """Whether kernels cast half-precision tiles to float32 before `tl.dot`: the interpreter multiplies them
+    wrongly (bf16 held as uint16)."""
+    return interpreter()
+
+
+@triton.jit
+def load_tile(X, row, s_row, s_pos, s_col, positions, columns, T, K, UPCAST: tl.constexpr):
+    """`[len(positions), len(columns)]` tile of row `row` of X `[N, T, K]` (zeros outside), float32 if UPCAST."""
+    mask = (positions[:, None] < T) & (columns[None, :] < K)
+    tile = tl.load(X + row * s_row + positions[:, None] * s_pos + columns[None, :] * s_col, mask=mask, other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def output_tile(BP: tl.constexpr, BD: tl.constexpr):
+    """Row and column indices (`[BP]`, `[BD]`) of this program's `[BP, BD]` tile of a `[p, d]` result: grid axes 1
+    and 2 count the tiles along p and d."""
+    rows = tl.program_id(1) * BP + tl.arange(0, BP)
+    columns = tl.program_id(2) * BD + tl.arange(0, BD)
+    return rows, columns

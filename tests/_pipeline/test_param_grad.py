@@ -1,0 +1,79 @@
+"""ParamGradient: the norm of a parameter's summed contributions and its clipped-sum plan, against per-sample
+gradients materialised explicitly."""
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flashdp._pipeline.param_grad import ParamGradient
+from flashdp.per_sample import OuterGrad, TokenRows
+from tests.oracle import materialised
+from tests.strategies import odd
+
+
+@st.composite
+def blocks(draw):
+    """1-3 blocks of one [p, d] layout, dense or token-left, with their own T."""
+    n, p, d = draw(st.integers(0, 4)), draw(odd), draw(odd)
+    out = []
+    for _ in range(draw(st.integers(1, 3))):
+        t = draw(st.integers(1, 7))
+        if draw(st.booleans()):
+            out.append(OuterGrad(torch.randn(n, t, p, dtype=torch.float64), torch.randn(n, t, d, dtype=torch.float64)))
+        else:
+            ids = torch.randint(0, p, (n, t))
+            out.append(OuterGrad(TokenRows(ids, p), torch.randn(n, t, d, dtype=torch.float64)))
+    return out
+
+
+@given(bs=blocks(), strategy=st.sampled_from(["auto", "ghost", "direct"]), data=st.data())
+def test_param_gradient_norm_and_clipped_sum_equal_materialised(bs, strategy, data):
+    n = bs[0].right.shape[0]
+    p, d = bs[0].block_shape
+    coef = torch.rand(n, dtype=torch.float64)
+    dense = sum(materialised(b) for b in bs)
+    grad = ParamGradient("w", (p, d), n, strategy)
+    for b in data.draw(st.permutations(bs)):
+        grad.add(b, "test")
+    norm = grad.norm_sq(keep_for_sum=True)
+    torch.testing.assert_close(norm.norm_sq, dense.flatten(1).square().sum(1))
+    torch.testing.assert_close(norm.plan.clipped_sum(coef), torch.einsum("n,npd->pd", coef, dense))
+
+
+@given(batch=st.integers(0, 3), conv_groups=st.integers(1, 3), t=st.integers(1, 5), p=odd, d=odd)
+def test_grouped_blocks_stack_per_sample(batch, conv_groups, t, p, d):
+    """conv_groups > 1: sample b owns rows b*g .. b*g+g-1, stacked into a [g*p, d] gradient."""
+    block = OuterGrad(
+        torch.randn(batch * conv_groups, t, p, dtype=torch.float64),
+        torch.randn(batch * conv_groups, t, d, dtype=torch.float64),
+        conv_groups=conv_groups,
+    )
+    per_sample = materialised(block).view(batch, conv_groups * p, d)
+    coef = torch.rand(batch, dtype=torch.float64)
+    for strategy in ("ghost", "direct"):
+        grad = ParamGradient("w", (conv_groups * p, d), batch, strategy)
+        grad.add(block, "test")
+        norm = grad.norm_sq(keep_for_sum=True)
+        torch.testing.assert_close(norm.norm_sq, per_sample.flatten(1).square().sum(1))
+        torch.testing.assert_close(norm.plan.clipped_sum(coef), torch.einsum("b,bpd->pd", coef, per_sample))
+
+
+def test_without_keep_for_sum_no_plan_is_kept():
+    """ghost and flash take the clipped sum from a second backward: nothing is kept for it."""
+    grad = ParamGradient("w", (3, 2), 2, "direct")
+    grad.add(OuterGrad(torch.randn(2, 4, 3), torch.randn(2, 4, 2)), "test")
+    norm = grad.norm_sq(keep_for_sum=False)
+    assert norm.plan is None and norm.strategy == "direct"
+
+
+def test_half_precision_factors_accumulate_in_float32():
+    left = torch.randn(2, 300, 5).bfloat16()
+    right = torch.randn(2, 300, 3).bfloat16()
+    block = OuterGrad(left, right)
+    exact = materialised(block).flatten(1).square().sum(1)
+    for strategy in ("ghost", "direct"):
+        grad = ParamGradient("w", (5, 3), 2, strategy)
+        grad.add(block, "test")
+        got = grad.norm_sq(keep_for_sum=True).norm_sq
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)

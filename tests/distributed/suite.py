@@ -1,0 +1,75 @@
+"""The properties every data-parallel wrapper must have, as a test suite each `test_<wrapper>.py` binds to its
+wrapper(s): every rank ends with the update of one process holding the global batch."""
+
+import pytest
+import torch
+
+from tests.distributed import workloads
+from tests.distributed.launch import WORLD, run
+
+
+class AdapterSuite:
+    """Subclasses set `wrapper` (a name `workloads.wrap` knows)."""
+
+    wrapper: str
+
+    @pytest.mark.parametrize("mode", ["bk", "ghost"])
+    def test_update_equals_one_process_on_the_union_batch(self, mode):
+        ranks = run(workloads.rank_run, self.wrapper, mode, 0.0, None)
+        expected_norms, expected_params = workloads.single_process(mode)
+        torch.testing.assert_close(torch.cat([r["norms"] for r in ranks]), expected_norms, rtol=1e-5, atol=1e-6)
+        for rank in ranks:
+            for got, expected in zip(rank["params"], expected_params, strict=True):
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize("mode", ["bk", "ghost"])
+    def test_a_rank_with_an_empty_batch_takes_part_in_the_step(self, mode):
+        ranks = run(workloads.rank_with_empty_batch, self.wrapper, mode)
+        model = workloads.build_model()
+        expected_norms = workloads.train(
+            model, model, workloads.global_batch()[:4], mode, noise=0.0, micro=workloads.BATCH
+        )
+        assert ranks[1]["norms"].shape == (0,)
+        torch.testing.assert_close(ranks[0]["norms"], expected_norms, rtol=1e-5, atol=1e-6)
+        for rank in ranks:
+            for got, expected in zip(rank["params"], model.parameters(), strict=True):
+                torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize("mode", ["bk", "ghost"])
+    def test_backward_runs_only_the_gradient_collectives_of_its_clipped_sums(self, mode):
+        """The norm pass syncs nothing. The clipped sums: under DDP reduced at step(); under FSDP2 one
+        reduce-scatter per unit (bk: flashdp's, ghost: FSDP2's own in the second backward); under FSDP1 (one
+        backward in every mode) one reduce-scatter per unit."""
+        for rank in run(workloads.count_backward_collectives, self.wrapper, mode):
+            expected = {"ddp": 0, "fsdp2": rank["fsdp2_units"]}.get(self.wrapper, rank["fsdp1_units"])
+            assert len(rank["gradient_collectives"]) == expected, rank["gradient_collectives"]
+
+
+def check_noise_once_per_coordinate_with_the_right_std(wrapper: str) -> None:
+    noisy = run(workloads.rank_run, wrapper, "bk", 1.0, 3)  # seeded: the std check below is then deterministic
+    clean = run(workloads.rank_run, wrapper, "bk", 0.0, 3)
+    per_rank = [torch.cat([n.flatten() for n in rank]) for rank in workloads.noise_only(noisy, clean)]
+    expected_std = workloads.LR * 1.0 * 0.05 / workloads.BATCH
+    if wrapper == "ddp":  # replicated: the same noise on every rank
+        assert torch.equal(per_rank[0], per_rank[1])
+        coords = per_rank[0]
+    else:  # sharded: each rank noises its own shard, independently
+        coords = torch.cat(per_rank)
+        full_noisy = torch.cat([p.flatten() for p in noisy[0]["params"]])
+        full_clean = torch.cat([p.flatten() for p in clean[0]["params"]])
+        assert torch.equal(full_noisy, torch.cat([p.flatten() for p in noisy[1]["params"]]))
+        padding = coords.numel() - full_noisy.numel()  # FSDP1 pads each flat parameter to a multiple of WORLD
+        assert padding == 0 if wrapper == "fsdp2" else 0 <= padding < 2 * (WORLD - 1) + 1
+        assert abs((full_noisy - full_clean).std().item() / expected_std - 1) < 0.15
+    assert abs(coords.std().item() / expected_std - 1) < 0.15  # ~300 coordinates
+
+
+def check_shards_draw_independent_noise(wrapper: str) -> None:
+    noisy = run(workloads.rank_run, wrapper, "bk", 1.0, 5)
+    clean = run(workloads.rank_run, wrapper, "bk", 0.0, 5)
+    # the first local tensor noised (FSDP2: the embedding's shard, FSDP1: the root's flat shard), so equal
+    # generators would give equal leading values
+    first, second = (rank[0].flatten() for rank in workloads.noise_only(noisy, clean))
+    n = min(len(first), len(second))
+    # equal generators leave only rounding between the two (1e-6 of the noise); independent ones differ by O(1)
+    assert (first[:n] - second[:n]).abs().max() > 0.1 * first.abs().max()

@@ -1,0 +1,128 @@
+"""What the distributed tests run on 2 gloo processes: a small model, its data split over the ranks, each wrapper
+(DDP, FSDP2, FSDP1 with and without use_orig_params), and one DP step."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flashdp
+
+GRADIENT_COLLECTIVES = ("allreduce", "all_reduce", "reduce_scatter")
+
+BATCH = 8  # global; rank r holds samples [r * 4, r * 4 + 4)
+LR = 0.5
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    # 12 embedding rows: both ranks hold [6, 6] shards, so equal generators would give them equal noise
+    return nn.Sequential(nn.Embedding(12, 6), nn.LayerNorm(6), nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 11))
+
+
+def global_batch() -> torch.Tensor:
+    return torch.randint(0, 11, (BATCH, 5), generator=torch.Generator().manual_seed(1))
+
+
+def per_sample_loss(model, ids) -> torch.Tensor:
+    logits = model(ids)
+    return nn.functional.cross_entropy(logits.transpose(1, 2), ids, reduction="none").mean(1)
+
+
+def train(model, wrapped, ids, mode, noise, micro, seed=None, group=None):
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    engine = flashdp.make_private(
+        wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=noise, optimizer=optimizer,
+        expected_batch_size=BATCH, sample_rate=0.1, seed=seed,
+    )  # fmt: skip
+    parts = flashdp.micro_batches(ids, micro, group=group)
+    norms = torch.cat([engine.backward(per_sample_loss(wrapped, part)) for part in parts])
+    engine.step()
+    engine.detach()
+    return norms
+
+
+def full_params(wrapped: nn.Module) -> list[torch.Tensor]:
+    """The full parameters in the unwrapped model's order (FSDP1 gathers them; FSDP2 DTensors gather themselves)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(wrapped, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(wrapped):
+            return [p.detach().clone() for p in wrapped.module.parameters()]
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in wrapped.parameters()]
+
+
+def wrap(model: nn.Module, wrapper: str) -> nn.Module:
+    """DDP; FSDP2 with the embedding and both Linears sharded on their own, then the root; FSDP1 (fsdp1-orig:
+    use_orig_params=True) with the middle Linear its own unit and the rest in the root's flat parameter."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    if wrapper == "ddp":
+        return DistributedDataParallel(model)
+    if wrapper.startswith("fsdp1"):
+        options = {"device_id": torch.device("cpu"), "use_orig_params": wrapper == "fsdp1-orig"}
+        model[2] = FullyShardedDataParallel(model[2], **options)
+        return FullyShardedDataParallel(model, **options)
+    options = {}
+    if wrapper == "fsdp2-bf16":  # bf16 compute, fp32 sharded parameters and reduction
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, **options)
+    return fully_shard(model, **options)
+
+
+def rank_run(rank: int, wrapper: str, mode: str, noise: float, seed):
+    model = build_model()
+    ids = global_batch()[rank * 4 : rank * 4 + 4]
+    wrapped = wrap(model, wrapper)
+    norms = train(model, wrapped, ids, mode, noise, micro=3, seed=seed)
+    params = full_params(wrapped)
+    locals_ = [p.to_local().clone() if hasattr(p, "to_local") else p.detach().clone() for p in wrapped.parameters()]
+    return {"norms": norms, "params": params, "local": locals_}
+
+
+def single_process(mode: str):
+    model = build_model()
+    norms = train(model, model, global_batch(), mode, noise=0.0, micro=BATCH)
+    return norms, [p.detach().clone() for p in model.parameters()]
+
+
+def rank_with_empty_batch(rank: int, wrapper: str, mode: str):
+    """Rank 1 draws no sample this step (Poisson sampling per rank does that); it must still take part, in as
+    many micro-batches as rank 0 (FSDP's forward and backward run collectives)."""
+    model = build_model()
+    ids = global_batch()[:4] if rank == 0 else global_batch()[:0]
+    wrapped = wrap(model, wrapper)
+    norms = train(model, wrapped, ids, mode, 0.0, micro=3, group=dist.group.WORLD)
+    return {"norms": norms, "params": full_params(wrapped)}
+
+
+def noise_only(ranks_with, ranks_without) -> list[list[torch.Tensor]]:
+    """Per rank, per parameter: the local update due to noise alone (-lr * noise / B)."""
+    return [
+        [a - b for a, b in zip(w["local"], wo["local"], strict=True)]
+        for w, wo in zip(ranks_with, ranks_without, strict=True)
+    ]
+
+
+def count_backward_collectives(rank: int, wrapper: str, mode: str) -> dict:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.profiler import ProfilerActivity, profile
+
+    wrapped = wrap(build_model(), wrapper)
+    engine = flashdp.make_private(
+        wrapped, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0,
+        optimizer=torch.optim.SGD(wrapped.parameters(), lr=0.1), expected_batch_size=8, sample_rate=0.1,
+    )  # fmt: skip
+    loss = per_sample_loss(wrapped, global_batch()[rank * 4 : rank * 4 + 4])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.backward(loss)
+    names = [e.name for e in prof.events() if e.name.startswith("c10d::")]
+    gradient = [n for n in names if any(k in n for k in GRADIENT_COLLECTIVES)]
+    return {
+        "gradient_collectives": gradient,
+        "fsdp1_units": len(FullyShardedDataParallel.fsdp_modules(wrapped)),
+        "fsdp2_units": sum(isinstance(m, FSDPModule) for m in wrapped.modules()),
+    }

@@ -8,6 +8,13 @@ from hypothesis import HealthCheck, settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from flashdp.kernels.runtime import triton_importable
+
+#: tests that need Triton kernels; the suite also runs, without them, where triton is not installed
+requires_triton = pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
+#: the engine modes, flash only where its kernels can run
+MODES = ["bk", "ghost", pytest.param("flash", marks=requires_triton)]
+
 settings.register_profile(
     "default",
     max_examples=int(os.environ.get("FLASHDP_HYPOTHESIS_EXAMPLES", "40")),

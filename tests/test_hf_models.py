@@ -134,3 +134,57 @@ def test_hf_model_keeps_working_after_make_private():
         out = model.generate(torch.randint(0, VOCAB, (1, 3)), max_new_tokens=3, do_sample=False, pad_token_id=0)
         assert out.shape == (1, 6)
         assert isinstance(model, GPT2LMHeadModel) and list(model.state_dict()) == keys
+
+
+def _opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(
+        vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, ffn_dim=12, num_attention_heads=2,
+        max_position_embeddings=16, word_embed_proj_dim=8, dropout=0.0,
+    )  # fmt: skip
+    return OPTForCausalLM(config), lambda model, ids: model(ids)
+
+
+def _bart():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=VOCAB, d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=12, decoder_ffn_dim=12, max_position_embeddings=16, dropout=0.0,
+    )  # fmt: skip
+    return BartForConditionalGeneration(config), lambda model, ids: model(input_ids=ids, decoder_input_ids=ids)
+
+
+def _whisper():
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    config = WhisperConfig(
+        vocab_size=VOCAB, d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=12, decoder_ffn_dim=12, num_mel_bins=4, max_source_positions=8,
+        max_target_positions=16, dropout=0.0, pad_token_id=0, decoder_start_token_id=1,
+    )  # fmt: skip
+    return WhisperForConditionalGeneration(config), lambda model, ids: model(
+        input_features=torch.randn(ids.shape[0], 4, 16), decoder_input_ids=ids
+    )
+
+
+@pytest.mark.parametrize(
+    ("build", "layer"),
+    [
+        (_opt, r"'model.decoder.embed_positions' \(OPTLearnedPositionalEmbedding\)"),
+        (_bart, r"'model.encoder.embed_positions' \(BartLearnedPositionalEmbedding\)"),
+        (_whisper, r"'model.decoder.embed_positions' \(WhisperPositionalEmbedding\)"),
+    ],
+    ids=["opt", "bart", "whisper"],
+)
+def test_embedding_subclasses_with_their_own_forward_are_refused_clearly(build, layer):
+    """Learned position embeddings that subclass nn.Embedding with another forward are not what its rule assumes."""
+    import flashdp
+    from flashdp import FlashDPError
+
+    model, run = build()
+    expected = rf"{layer} matched rule embedding_grads, but its forward does not"
+    engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=1.0)
+    with engine, pytest.raises(FlashDPError, match=expected):
+        run(model, torch.randint(2, VOCAB, (2, 5)))

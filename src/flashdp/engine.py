@@ -6,19 +6,23 @@ The engine runs the stages of `flashdp._pipeline` (whose docstring lists them in
 from __future__ import annotations
 
 import secrets
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from flashdp._pipeline import coverage, guards, self_check
 from flashdp._pipeline.clipping import Clipping, clip_coefficients
-from flashdp._pipeline.norm_pass import output_gradients, per_param_gradients
-from flashdp._pipeline.param_grad import StrategyChoice
+from flashdp._pipeline.norm_pass import check_calls, output_gradients, per_param_gradients
+from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice
+from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.profiling import PhaseTimer, profiling_requested
-from flashdp._pipeline.recorder import Recorder
+from flashdp._pipeline.provenance import GradientProvenance
+from flashdp._pipeline.recorder import Call, Recorder
 from flashdp._pipeline.scan import ModelScan, scan_model
-from flashdp._pipeline.settings import EngineSettings, Mode
-from flashdp.distributed import adapter_for
+from flashdp._pipeline.settings import DEFAULT_SELF_CHECK_INTERVAL, EngineSettings, Mode
+from flashdp.distributed import Adapter, adapter_for
 from flashdp.distributed.checks import check_global_batch, check_norm_group, check_same_samples
 from flashdp.errors import FlashDPError
 from flashdp.kernels import Backend
@@ -31,7 +35,8 @@ class DPEngine:
     """Exact per-sample gradient clipping (and, with `step()`, DP-SGD) for a model it does not wrap.
 
     Build it with `flashdp.make_private`. All state lives here: nothing is stored on the model's modules or
-    parameters beyond PyTorch forward hooks, which `detach()` removes.
+    parameters beyond PyTorch hooks (forward hooks on its layers, a step pre-hook on the optimizer), which
+    `detach()` removes.
     """
 
     def __init__(
@@ -51,10 +56,10 @@ class DPEngine:
         self._timer = PhaseTimer(settings.profile)
         self._adapter = adapter_for(model, self._timer, secure_rng=settings.secure_rng)  # attach() changes it
         self._scan: ModelScan = scan_model(model, self._adapter.param_views)
-        self._trainable_names = _trainable_names(model)
+        self._trainable = guards.TrainableParams(model, check_identity=not self._adapter.swaps_parameters)
         self.optimizer = optimizer
         if optimizer is not None:
-            _check_optimizer(optimizer, model)
+            guards.check_optimizer(optimizer, model)
         resolved = privacy.resolve()
         self.noise_multiplier = resolved.noise_multiplier
         self.expected_batch_size = resolved.expected_batch_size
@@ -70,12 +75,24 @@ class DPEngine:
             self._noise = NoiseSource(self._adapter.noise_seed(seed))
         if norm_group is not None:
             check_norm_group(norm_group, self._adapter.dp_group)
+        self._layer_modules = [layer.module for layer in self._scan.layers]
+        guards.claim(self._layer_modules, self, {id(layer.module): layer.label for layer in self._scan.layers})
         self._adapter.attach()
         self._accountant = Accountant(resolved.accountant)
         self._backward_since_step = False
         self._samples_since_step = 0
-        self._recorder: Recorder | None = Recorder(self._scan.layers, on_call=self._timer.forward_started)
+        self._recorder = Recorder(self._scan.layers, on_call=self._timer.forward_started)
+        self._provenance = GradientProvenance(optimizer)
+        self._detach = weakref.finalize(
+            self, _detach, self._recorder, self._provenance, self._adapter, self._layer_modules
+        )
         self._strategies: dict[str, str] = {}
+        self._structures: set[tuple[int, ...]] = set()  # forward structures whose coverage was checked
+        self._backward_calls = 0
+        self._last_self_check: int | None = None
+        # the same on every rank: TP ranks must weight the losses alike, FSDP ranks run the same passes
+        self._check_generator = torch.Generator().manual_seed(0)
+        self._last_loss_node: int | None = None
 
     @property
     def mode(self) -> Mode:
@@ -100,14 +117,13 @@ class DPEngine:
         """
         recorder = self._attached_recorder()
         self._timer.forward_ended()
-        self._check_trainable_unchanged()
-        loss = _check_loss(loss)
+        self._trainable.check_unchanged()
+        loss = guards.check_loss(loss)
+        self._provenance.check_before_backward(self._adapter.accumulated_gradients(self._scan.params))
         calls = recorder.take()
         if not calls:
-            raise FlashDPError(
-                "engine.backward() found no forward pass to clip: run the model's forward with gradients enabled "
-                "(not under torch.no_grad()) after make_private and before backward."
-            )
+            raise self._no_forward_error(loss)
+        self._last_loss_node = id(loss.grad_fn)
         batch = loss.shape[0]
         self._backward_since_step = True
         self._samples_since_step += batch
@@ -117,38 +133,107 @@ class DPEngine:
         if batch == 0 and self._adapter.world_size == 1:
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
         # an empty batch on one rank of several still runs every pass: the wrappers' collectives must match
+        checking = self._self_check_due()
+        structure = tuple(id(call.layer.module) for call in calls)
+        if checking or structure not in self._structures:
+            coverage.refuse(coverage.uncovered_uses(loss, calls, coverage.param_nodes(self.model, calls)))
+            self._structures.add(structure)
         second_pass = self.settings.second_backward and self._adapter.second_backward
         with self._timer.phase("norm pass"), self._adapter.norm_pass():
-            output_grads = output_gradients(loss, calls, retain_graph=second_pass)
+            output_grads = output_gradients(loss, calls, retain_graph=second_pass or checking)
         # the recorded activations require grad; nothing below is differentiated
         with torch.no_grad(), kernels_backend(self.settings.backend), self._timer.phase("norm computation"):
+            check_calls(calls, output_grads, batch)
+            if checking:
+                self._check_batch_independence(loss, calls, output_grads)
             grads = per_param_gradients(self._scan, calls, output_grads, batch, self.settings.norm_strategy)
+            held = self._graph_tensors(calls) if checking else {}
+            rtol = self_check.tolerance([loss.dtype, *(c.output.dtype for c in calls)]) if checking else 0.0
             # From here on only the ParamGradients hold activations and output gradients, and each plan only
             # what its clipped sum needs (a directly-normed layer keeps only its per-sample gradient).
             del calls, output_grads
-            groups = len(self._scan.clip_group_names)
-            clip_norms_sq = torch.zeros(groups, batch, dtype=torch.float64, device=loss.device)
-            plans, self._strategies = [], {}
-            for param, grad in grads:
-                norm = grad.norm_sq(keep_for_sum=not second_pass)
-                clip_norms_sq[param.clip_group] += norm.norm_sq.to(clip_norms_sq.dtype)
-                plans.append((param, norm.plan))
-                self._strategies[param.name] = norm.strategy
+            norms = self._norms(grads, keep_for_sum=not second_pass)
             del grads
+            if checking:
+                self._check_per_sample(loss, norms, held, rtol, retain_graph=second_pass)
+            clip_norms_sq = torch.zeros(
+                len(self._scan.clip_group_names), batch, dtype=torch.float64, device=loss.device
+            )
+            for param, norm in norms:
+                clip_norms_sq[param.clip_group] += norm.norm_sq.to(clip_norms_sq.dtype)
             if self.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
                 with self._timer.phase("communication"):
                     dist.all_reduce(clip_norms_sq, op=dist.ReduceOp.SUM, group=self.norm_group)
             coef = clip_coefficients(self.settings.clipping, clip_norms_sq, self.max_grad_norm)
         with self._timer.phase("second pass / bk sums"):
             if second_pass:
-                del plans
+                del norms
                 (loss * (coef[0] * self._adapter.second_pass_scale).to(loss.dtype)).sum().backward()
             else:
                 with torch.no_grad(), kernels_backend(self.settings.backend):
-                    for param, plan in plans:
-                        self._adapter.accumulate(param, plan.clipped_sum(coef[param.clip_group]))
+                    for param, norm in norms:
+                        self._adapter.accumulate(param, norm.plan.clipped_sum(coef[param.clip_group]))
                     self._adapter.accumulation_done()
+        self._provenance.record(self._adapter.accumulated_gradients(self._scan.params))
         return clip_norms_sq.sum(0).sqrt().float()
+
+    def _norms(
+        self, grads: list[tuple[TrainableParam, ParamGradient]], keep_for_sum: bool
+    ) -> list[tuple[TrainableParam, ParamNorm]]:
+        norms = [(param, grad.norm_sq(keep_for_sum)) for param, grad in grads]
+        self._strategies = {param.name: norm.strategy for param, norm in norms}
+        return norms
+
+    # -- the self-check and what it needs -------------------------------------------------------------------
+
+    def _self_check_due(self) -> bool:
+        """On the first backward, then every `self_check` calls (the same on every rank: it adds passes over
+        the graph, which run collectives under FSDP2). Not under FSDP1, which cannot run a second pass."""
+        index, self._backward_calls = self._backward_calls, self._backward_calls + 1
+        interval = self.settings.self_check
+        if interval is None or not self._adapter.second_backward:
+            return False
+        if self._last_self_check is not None and index - self._last_self_check < interval:
+            return False
+        self._last_self_check = index
+        return True
+
+    def _check_batch_independence(self, loss: Tensor, calls: list[Call], output_grads: tuple) -> None:
+        rtol = self_check.tolerance([loss.dtype, *(c.output.dtype for c in calls)])
+        with self._adapter.norm_pass():
+            self_check.check_batch_independence(loss, calls, output_grads, rtol, self._check_generator)
+
+    def _graph_tensors(self, calls: list[Call]) -> dict[object, Tensor]:
+        """Each trainable parameter as the forward used it (a wrapper may have swapped in another tensor)."""
+        held = {p.key: p.param for p in self._scan.params}
+        for call in calls:
+            for name, tensor in zip(call.layer.trainable, call.params, strict=True):
+                held[self._scan.param_of[(id(call.layer.module), name)].key] = tensor
+        return held
+
+    def _check_per_sample(
+        self, loss: Tensor, norms: list[tuple[TrainableParam, ParamNorm]], held: dict, rtol: float, retain_graph: bool
+    ) -> None:
+        batch = loss.shape[0]
+        count = self_check.SAMPLES_PER_CHECK
+        picks = torch.randperm(max(batch, 1), generator=self._check_generator)[:count].tolist()
+        samples = [picks[k % len(picks)] for k in range(count)]  # as many passes on every rank
+        counted = [self_check.Counted(p.name, held[p.key], n.norm_sq, n.plan) for p, n in norms]
+        with self._adapter.norm_pass():
+            self_check.check_per_sample(loss, counted, samples, rtol, retain_graph)
+
+    def _no_forward_error(self, loss: Tensor) -> FlashDPError:
+        if id(loss.grad_fn) == self._last_loss_node:
+            return FlashDPError(
+                "engine.backward() was already called on this forward's loss: each forward is clipped once. Run a "
+                "new forward for the next backward."
+            )
+        coverage.refuse(coverage.uncovered_uses(loss, [], coverage.param_nodes(self.model, [])))
+        return FlashDPError(
+            "engine.backward() found no forward pass to clip since the last backward: run the model's forward with "
+            "gradients enabled (not under torch.no_grad()) after make_private and before backward, once per "
+            "backward. If the loss reaches no trainable layer at all, it does not depend on the model."
+        )
 
     # -- DP-SGD -------------------------------------------------------------------------------------------
 
@@ -173,6 +258,7 @@ class DPEngine:
                 "engine.step() called with no engine.backward() since the last step: each step must follow at "
                 "least one backward (an empty Poisson batch counts: call backward on its empty loss)."
             )
+        self._provenance.check_before_step(self._adapter.accumulated_gradients(self._scan.params))
         if self._adapter.dp_group is not None:
             check_global_batch(self.expected_batch_size, self._samples_since_step, self._adapter.dp_group)
         std = self.noise_multiplier * self.max_grad_norm
@@ -190,10 +276,11 @@ class DPEngine:
                         noise = self._noise.gaussian(local.shape, std, local.device, local.dtype)
                         local.add_(self._adapter.shared_noise(noise))
                     p.grad.div_(self.expected_batch_size)
-        with self._timer.phase("optimizer"):
+        with self._timer.phase("optimizer"), self._provenance.engine_step():
             self.optimizer.step()
             self.optimizer.zero_grad()
             self._adapter.zero_grad()
+        self._provenance.stepped()
         self._accountant.step(self.noise_multiplier, self.sample_rate or 0.0)
         self._backward_since_step = False
         self._samples_since_step = 0
@@ -233,11 +320,9 @@ class DPEngine:
     # -- lifecycle ----------------------------------------------------------------------------------------
 
     def detach(self) -> None:
-        """Remove every hook: the model is plain PyTorch again. The engine cannot clip after this."""
-        if self._recorder is not None:
-            self._recorder.remove()
-            self._recorder = None
-            self._adapter.detach()
+        """Remove every hook: the model is plain PyTorch again. The engine cannot clip after this. An engine that
+        is garbage-collected detaches itself."""
+        self._detach()
 
     def __enter__(self) -> DPEngine:
         return self
@@ -246,48 +331,18 @@ class DPEngine:
         self.detach()
 
     def _attached_recorder(self) -> Recorder:
-        if self._recorder is None:
+        if not self._detach.alive:
             raise FlashDPError("This engine was detached; call flashdp.make_private(model, ...) again.")
         return self._recorder
 
-    def _check_trainable_unchanged(self) -> None:
-        if _trainable_names(self.model) != self._trainable_names:
-            raise FlashDPError(
-                "The model's trainable parameters changed since make_private (requires_grad toggled or parameters "
-                "added). Call engine.detach() and flashdp.make_private(model, ...) again."
-            )
 
-
-def _trainable_names(model: nn.Module) -> frozenset[str]:
-    return frozenset(name for name, p in model.named_parameters() if p.requires_grad)
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    own = {id(p) for p in model.parameters()}
-    foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in own)
-    if foreign:
-        raise FlashDPError(
-            f"The optimizer holds {foreign} parameter(s) that are not the model's: flashdp clips and noises only "
-            "the model's trainable parameters. Build the optimizer from model.parameters()."
-        )
-
-
-def _check_loss(loss: object) -> Tensor:
-    if not isinstance(loss, Tensor):
-        raise FlashDPError(f"engine.backward expects a tensor of per-sample losses. Received {type(loss).__name__}.")
-    if loss.dim() != 1:
-        raise FlashDPError(
-            f"Wrong shape: expected a 1-D loss of shape (B,), one loss per sample. Received a {loss.dim()}-dim "
-            f"tensor of shape {tuple(loss.shape)}. Use reduction='none' and reduce all but the batch dim "
-            "(e.g. loss.mean(dim=1))."
-        )
-    if not loss.requires_grad:
-        raise FlashDPError("The loss does not require grad: compute it from the model's output with grad enabled.")
-    finite = torch.isfinite(loss.detach())
-    if not bool(finite.all()):
-        bad = torch.nonzero(~finite).flatten().tolist()
-        raise FlashDPError(f"Non-finite per-sample losses at batch indices {bad[:20]}: fix them before clipping.")
-    return loss
+def _detach(recorder: Recorder, provenance: GradientProvenance, adapter: Adapter, modules: list[nn.Module]) -> None:
+    """Remove every hook the engine added and restore what it changed on a wrapper (no reference to the engine:
+    this also runs when the engine is garbage-collected)."""
+    recorder.remove()
+    provenance.remove()
+    adapter.detach()
+    guards.release(modules)
 
 
 def make_private(
@@ -311,6 +366,7 @@ def make_private(
     kernels: Backend = "auto",
     norm_group: dist.ProcessGroup | None = None,
     profile: bool | None = None,
+    self_check: int | None = DEFAULT_SELF_CHECK_INTERVAL,
 ) -> DPEngine:
     """Make training of `model` differentially private. The model is not wrapped: its state_dict, type and
     methods are unchanged; `engine.detach()` removes every hook.
@@ -338,6 +394,11 @@ def make_private(
         profile: print a per-phase time breakdown of every step to stderr (forward, norm pass, norm computation,
             communication, second pass or bk sums, noise, optimizer). Default: the FLASHDP_PROFILE environment
             variable.
+        self_check: on the first backward and then every `self_check` backward calls, compare what flashdp
+            counted with autograd's own per-sample gradients on the same graph (two samples), and check that every
+            layer's output rows are per-sample; a disagreement raises FlashDPError naming the parameters or layers
+            and the likely cause. None turns it off. It costs about three backward passes when it runs. Not run
+            under FSDP1, which cannot take a second pass over one forward.
 
     The model may be wrapped by DistributedDataParallel or sharded with FSDP2 (`fully_shard`) or FSDP1
     (`FullyShardedDataParallel`); then expected_batch_size and sample_rate are global (all ranks), and every rank
@@ -352,6 +413,7 @@ def make_private(
         seed=seed,
         secure_rng=secure_rng,
         profile=profiling_requested(profile),
+        self_check=self_check,
     )
     privacy = PrivacyRequest(
         noise_multiplier=noise_multiplier,

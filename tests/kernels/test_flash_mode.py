@@ -1,9 +1,12 @@
 """mode="flash" (and bk with kernels="triton") end to end: exact against the oracle, with the kernels running."""
 
+import pytest
+
+pytest.importorskip("triton")  # these tests run the kernels themselves
+
 from collections import Counter
 from unittest import mock
 
-import pytest
 import torch
 from hypothesis import given
 from torch import nn
@@ -73,7 +76,7 @@ def test_bk_with_triton_kernels_matches_oracle(strategy):
     with launches() as counts:
         check_against_oracle(
             model, lambda s: per_sample_loss(model(ids[s])), 4, mode="bk", norm_strategy=strategy, kernels="triton",
-            rtol=2e-4,
+            rtol=2e-4, self_check=None,
         )  # fmt: skip
     assert counts["norm_affine_grads"] == 2
     if strategy == "ghost":

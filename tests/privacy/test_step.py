@@ -198,14 +198,18 @@ def test_bad_privacy_arguments(kwargs, match):
 
 def test_step_needs_an_optimizer_a_batch_size_and_a_backward():
     model = nn.Sequential(nn.Linear(2, 2))
-    with pytest.raises(FlashDPError, match=r"needs an optimizer: make_private\(\.\.\., optimizer=opt\)"):
-        _engine(model, optimizer=None).step()
-    engine = _engine(model, expected_batch_size=None)
-    engine.backward(model(torch.randn(2, 2)).sum(1))
-    with pytest.raises(FlashDPError, match="needs expected_batch_size"):
+    with (
+        _engine(model, optimizer=None) as engine,
+        pytest.raises(FlashDPError, match=r"needs an optimizer: make_private\(\.\.\., optimizer=opt\)"),
+    ):
         engine.step()
-    with pytest.raises(FlashDPError, match=r"no engine\.backward\(\) since the last step"):
-        _engine(model).step()
+    with _engine(model, expected_batch_size=None) as engine:
+        engine.backward(model(torch.randn(2, 2)).sum(1))
+        with pytest.raises(FlashDPError, match="needs expected_batch_size"):
+            engine.step()
+    model.zero_grad()
+    with _engine(model) as engine, pytest.raises(FlashDPError, match=r"no engine\.backward\(\) since the last step"):
+        engine.step()
 
 
 def test_optimizer_over_foreign_parameters_is_refused():

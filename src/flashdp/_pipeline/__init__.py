@@ -8,8 +8,13 @@ At `make_private`:
 Each `engine.backward(loss)`:
     1. record       recorder.py: forward hooks keep references to each trainable layer call's inputs and the
                     gradient edge of its output
+    -  guards       guards.py (the loss, the model's parameters), provenance.py (no gradient but engine.backward's)
+    -  coverage     coverage.py: every trainable parameter reaches the loss only inside calls that count it
+                    (first backward of every new forward structure)
     2. norm pass    norm_pass.py: one autograd pass to those edges (no parameter gradient), then each call's rule
                     turns inputs and output gradients into per-sample gradients, collected per parameter
+    -  self-check   self_check.py: on the first backward and every N, what was counted against autograd's own
+                    per-sample gradients on the same graph
     3. norms        param_grad.py: per parameter, the exact squared norm of the sum of its contributions and a
                     `ClippedSumPlan` of what the clipped sum needs (blocks.py: the math on outer-product blocks)
     4. coefficients clipping.py: per-sample clipping coefficients from the norms of each clipping group

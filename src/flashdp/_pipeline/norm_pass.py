@@ -20,6 +20,15 @@ def output_gradients(loss: Tensor, calls: Sequence[Call], retain_graph: bool) ->
     return torch.autograd.grad(loss.sum(), [c.edge for c in calls], retain_graph=retain_graph, allow_unused=True)
 
 
+def check_calls(calls: Sequence[Call], output_grads: Sequence[Tensor | None], batch: int) -> None:
+    """Each call whose output reaches the loss was made on this batch, batch first, and its gradient is visible."""
+    for call, grad_at_edge in zip(calls, output_grads, strict=True):
+        if grad_at_edge is not None:
+            _check_call_batch(call, batch)
+        elif call.modified_in_place():
+            raise call.hidden_by_in_place_error()
+
+
 def per_param_gradients(
     scan: ModelScan,
     calls: Sequence[Call],
@@ -27,19 +36,13 @@ def per_param_gradients(
     batch: int,
     strategy: StrategyChoice,
 ) -> list[tuple[TrainableParam, ParamGradient]]:
-    """Every trainable parameter reached by the loss, with its per-sample contributions from every call."""
+    """Every trainable parameter reached by the loss, with its per-sample contributions from every call (checked
+    by `check_calls`)."""
     by_param: dict[Hashable, tuple[TrainableParam, ParamGradient]] = {}
     for call, grad_at_edge in zip(calls, output_grads, strict=True):
         layer = call.layer
         if grad_at_edge is None:
-            if call.modified_in_place():
-                raise FlashDPError(
-                    f"The output of layer {layer.label} was modified in place after the layer returned it "
-                    "(e.g. ReLU(inplace=True) or `out += x`), which hides its gradient. Make that operation "
-                    "out of place (inplace=False, `out = out + x`)."
-                )
             continue  # this call's output does not reach the loss
-        _check_call_batch(call, batch)
         grad_output = call.grad_output(grad_at_edge)
         params = [scan.param_of[(id(layer.module), name)] for name in layer.trainable]
         if batch == 0:  # a rank without samples this step: nothing to add, but the same parameters as others

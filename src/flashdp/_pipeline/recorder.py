@@ -1,15 +1,15 @@
-"""Forward hooks that record, for each call of a trainable layer, references to its inputs and the gradient
-edge of its output (taken before any later in-place op can move it)."""
+"""Forward hooks that record, for each call of a trainable layer, references to its inputs, the parameters it
+held, and the gradient edge of its output (taken before any later in-place op can move it)."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils._pytree import tree_leaves
 
 from flashdp._pipeline.scan import Layer
 from flashdp.errors import FlashDPError
@@ -29,7 +29,13 @@ class Call:
     """
 
     layer: Layer
+    #: the positional inputs (or, without any, the keyword inputs' values), as the layer's rule takes them
     inputs: tuple
+    #: the gradient edges of every tensor input (positional and keyword) that requires grad: where the call's
+    #: part of the autograd graph ends
+    input_edges: tuple[GradientEdge, ...]
+    #: the layer's trainable parameters as it held them during the call (wrappers may swap them afterwards)
+    params: tuple[Tensor, ...]
     output: Tensor
     output_version: int
     edge: GradientEdge
@@ -42,21 +48,30 @@ class Call:
     def modified_in_place(self) -> bool:
         return self.output._version != self.output_version
 
+    def hidden_by_in_place_error(self) -> FlashDPError:
+        return FlashDPError(
+            f"The output of layer {self.layer.label} was modified in place after the layer returned it (e.g. "
+            "ReLU(inplace=True) or `out += x`), which hides its gradient. Make that operation out of place "
+            "(inplace=False, `out = out + x`)."
+        )
+
 
 class Recorder:
-    """Records calls made with gradients enabled; `take()` hands them over and forgets them."""
+    """Records calls made with gradients enabled, outside any backward pass (a non-reentrant checkpoint
+    recomputes its segment inside the backward: those calls are not the forward's); `take()` hands them over
+    and forgets them."""
 
     def __init__(self, layers: list[Layer], on_call: Callable[[], None] = lambda: None) -> None:
         self.calls: list[Call] = []
         self._on_call = on_call
-        self._checked: set[int] = set()
+        self._verified: set[int] = set()
+        # prepend: run before a wrapper's own post-forward hook (FSDP2 reshards its parameters there)
         self._handles = [
-            layer.module.register_forward_hook(functools.partial(self._record, layer), with_kwargs=True)
-            for layer in layers
+            layer.module.register_forward_hook(_Hook(self, layer), with_kwargs=True, prepend=True) for layer in layers
         ]
 
-    def _record(self, layer: Layer, module, args: tuple, kwargs: dict, output) -> None:
-        if not torch.is_grad_enabled():
+    def record(self, layer: Layer, args: tuple, kwargs: dict, output: object) -> None:
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return
         if not isinstance(output, Tensor):
             raise FlashDPError(
@@ -68,11 +83,15 @@ class Recorder:
             raise FlashDPError(f"Layer {layer.label} returned a scalar; expected a batched output [B, ...].")
         self._on_call()
         inputs = args or tuple(kwargs.values())
-        if layer.match.verify_with is not None and id(module) not in self._checked:
+        input_edges = tuple(
+            get_gradient_edge(t) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t.requires_grad
+        )
+        if layer.match.verify_with is not None and id(layer.module) not in self._verified:
             _check_forward(layer, inputs, output)
-            self._checked.add(id(module))
+            self._verified.add(id(layer.module))
+        params = tuple(getattr(layer.module, name) for name in layer.trainable)
         edge = get_gradient_edge(_reshape_base(output))
-        self.calls.append(Call(layer, inputs, output, output._version, edge, output.shape[0]))
+        self.calls.append(Call(layer, inputs, input_edges, params, output, output._version, edge, output.shape[0]))
 
     def take(self) -> list[Call]:
         calls, self.calls = self.calls, []
@@ -83,6 +102,29 @@ class Recorder:
             handle.remove()
         self._handles = []
         self.calls = []
+
+
+class _Hook:
+    """The forward hook of one layer. Copying or pickling a model while attached (copy.deepcopy, torch.save)
+    copies its hooks: the copy gets an inert hook, so it is plain PyTorch and holds none of the engine's state."""
+
+    def __init__(self, recorder: Recorder, layer: Layer) -> None:
+        self.recorder = recorder
+        self.layer = layer
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        self.recorder.record(self.layer, args, kwargs, output)
+
+    def __reduce__(self) -> tuple:
+        return (_inert_hook, ())
+
+
+def _inert_hook() -> Callable[..., None]:
+    return _ignore
+
+
+def _ignore(*_: object) -> None:
+    return None
 
 
 def _reshape_base(output: Tensor) -> Tensor:
@@ -99,18 +141,26 @@ def _reshape_base(output: Tensor) -> Tensor:
     return output
 
 
+@torch.no_grad()  # entirely: inside a checkpointed region, a saved tensor would break the recomputation
 def _check_forward(layer: Layer, inputs: tuple, output: Tensor) -> None:
-    """A module matched by duck typing, or overriding its class's forward, must compute what its rule assumes."""
-    with torch.no_grad():
+    """A module matched by duck typing, or overriding its class's forward, must compute what its rule assumes:
+    checked on its first call, while its parameters are as the call saw them."""
+    problem = None
+    try:
         expected = layer.match.verify_with(layer.module, inputs)
-    tolerance = _FORWARD_CHECK_TOLERANCE.get(output.dtype, 3e-2)
-    ok = expected.shape == output.shape
-    if ok:
-        error = (expected.double() - output.double()).norm() / output.double().norm().clamp_min(1e-30)
-        ok = bool(error <= tolerance)
-    if not ok:
+    except Exception as error:  # a forward with another signature or input type: not the rule's function
+        problem = f"its rule's forward cannot even run on its inputs ({type(error).__name__}: {error})"
+    else:
+        tolerance = _FORWARD_CHECK_TOLERANCE.get(output.dtype, 3e-2)
+        if not isinstance(expected, Tensor) or expected.shape != output.shape:
+            problem = "its rule's forward gives another shape"
+        else:
+            error = (expected.double() - output.double()).norm() / output.double().norm().clamp_min(1e-30)
+            if not bool(error <= tolerance):
+                problem = f"its output differs from its rule's forward by {float(error):.2g} (relative)"
+    if problem is not None:
         raise FlashDPError(
             f"Layer {layer.label} matched rule {layer.match.rule.name}, but its forward does not compute what that "
-            "rule assumes (checked once on its first call), so its per-sample gradients would be wrong. Register a "
-            "rule for its type with flashdp.register_rule(...)."
+            f"rule assumes: {problem}. Its per-sample gradients would be wrong. Register a rule for its type with "
+            "flashdp.register_rule(...), or freeze its parameters."
         )

@@ -13,6 +13,8 @@ from flashdp.kernels import BACKENDS, Backend, triton_unavailable_reason
 Mode = Literal["ghost", "flash", "bk"]
 MODES: tuple[str, ...] = ("ghost", "flash", "bk")
 NORM_STRATEGIES: tuple[str, ...] = ("auto", "ghost", "direct")
+#: backward calls between two self-checks by default (the first backward is always checked)
+DEFAULT_SELF_CHECK_INTERVAL = 200
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class EngineSettings:
     seed: int | None = None
     secure_rng: bool = False
     profile: bool = False
+    #: the self-check runs on the first backward and then every `self_check` backward calls; None: never
+    self_check: int | None = DEFAULT_SELF_CHECK_INTERVAL
     backend: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -38,6 +42,12 @@ class EngineSettings:
         c = self.max_grad_norm
         if not (isinstance(c, int | float) and 0 < c < float("inf")):
             raise FlashDPError(f"max_grad_norm must be a positive finite number. Received {c!r}.")
+        interval = self.self_check
+        if interval is not None and not (isinstance(interval, int) and not isinstance(interval, bool) and interval > 0):
+            raise FlashDPError(
+                f"self_check is the number of backward calls between two self-checks (a positive int), or None to "
+                f"turn it off. Received {interval!r}."
+            )
 
     def _resolve_backend(self) -> str:
         """The kernels this engine runs: flash means Triton kernels; "triton" must be able to run here."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -20,6 +21,9 @@ class Adapter:
     dp_group: dist.ProcessGroup | None = None
     #: whether ghost and flash may run a second backward over the graph of the norm pass
     second_backward = True
+    #: whether the wrapper registers other parameter objects during the forward (FSDP2's unsharded ones), so that
+    #: only names, not identities, of the registered parameters stay the same
+    swaps_parameters = False
 
     def __init__(self, timer: PhaseTimer) -> None:
         #: the engine's timer; collectives are timed as "communication"
@@ -54,6 +58,12 @@ class Adapter:
 
     def reduce_gradients(self, params: list[Tensor]) -> None:
         """At step(), before the noise: make every rank's gradient the sum over all ranks' samples."""
+
+    def accumulated_gradients(self, params: list[TrainableParam]) -> list[tuple[str, Tensor | None]]:
+        """This rank's accumulated gradients as step() will noise them, named: the tensors themselves, whose
+        identity and version tell whether anything but engine.backward changed them."""
+        with torch.no_grad():
+            return [(p.name, None if p.param.grad is None else self.local_grad(p.param)) for p in params]
 
     def local_grad(self, param: Tensor) -> Tensor:
         """The part of `param.grad` this rank adds noise to."""

@@ -126,6 +126,14 @@ class FSDP1Adapter(ShardedAdapter):
     def gradient_holders(self, params: list[TrainableParam]) -> list[Tensor]:
         return [unit.flat_param for unit in self.layout.units if unit.trainable]
 
+    def accumulated_gradients(self, params: list[TrainableParam]) -> list[tuple[str, Tensor | None]]:
+        """Per unit, the accumulated shard (FSDP1's hooks may move the flat parameter's .grad in between)."""
+        return [
+            (f"FSDP1 flat parameter {u}", unit.grad if unit.grad is not None else unit.flat_param.grad)
+            for u, unit in enumerate(self.layout.units)
+            if unit.trainable
+        ]
+
     def reduce_gradients(self, params: list[Tensor]) -> None:
         for unit in self.layout.units:  # the sums are reduced already; step() made zeros where no backward reached
             if unit.trainable:

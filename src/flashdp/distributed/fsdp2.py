@@ -26,6 +26,8 @@ class FSDP2Adapter(ShardedAdapter):
     shards unit by unit; each rank noises its own shard with its own generator.
     """
 
+    swaps_parameters = True
+
     def __init__(self, model: nn.Module, timer: PhaseTimer) -> None:
         self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         mesh = next(p for p in model.parameters()).device_mesh

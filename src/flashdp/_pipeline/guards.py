@@ -1,0 +1,92 @@
+"""Checks of what the engine is given, at the earliest point each can fail: the loss, the optimizer, a model
+whose parameters changed since make_private, and a model another engine is attached to."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from flashdp.errors import FlashDPError
+
+#: module -> the engine (weakly) whose hooks record it: one engine per module at a time
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def claim(modules: Iterable[nn.Module], engine: object, label: dict[int, str]) -> None:
+    """Register `engine` as the one recording these modules; refuse modules a live engine records already."""
+    modules = list(modules)
+    taken = [label[id(m)] for m in modules if (owner := _ATTACHED.get(m)) is not None and owner() is not None]
+    if taken:
+        raise FlashDPError(
+            f"Another engine is attached to this model (it records {', '.join(taken[:3])}): two engines would "
+            "clip each forward twice. Call engine.detach() on the first one (or use it) before make_private again."
+        )
+    for m in modules:
+        _ATTACHED[m] = weakref.ref(engine)
+
+
+def release(modules: Iterable[nn.Module]) -> None:
+    for m in modules:
+        _ATTACHED.pop(m, None)
+
+
+class TrainableParams:
+    """The model's trainable parameters at make_private, by name and identity: changing them later (toggling
+    requires_grad, load_state_dict(assign=True), assigning a new Parameter) would leave the engine clipping and
+    noising tensors the model no longer uses. Identity is not checked under a wrapper that swaps parameter objects
+    in its forward (FSDP2)."""
+
+    def __init__(self, model: nn.Module, check_identity: bool = True) -> None:
+        self.model = model
+        self.check_identity = check_identity
+        self._params = self._current()
+
+    def _current(self) -> dict[str, Tensor]:
+        return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def check_unchanged(self) -> None:
+        current = self._current()
+        if current.keys() != self._params.keys():
+            raise FlashDPError(
+                "The model's trainable parameters changed since make_private (requires_grad toggled or parameters "
+                "added). Call engine.detach() and flashdp.make_private(model, ...) again."
+            )
+        replaced = [name for name, p in current.items() if self.check_identity and p is not self._params[name]]
+        if replaced:
+            raise FlashDPError(
+                f"Parameters {replaced[:5]} were replaced by new tensors since make_private (load_state_dict(..., "
+                "assign=True), or a new nn.Parameter assigned): the engine would write gradients to the old ones. "
+                "Load weights in place (load_state_dict without assign), or call engine.detach() and make_private "
+                "again with an optimizer built over the new parameters."
+            )
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in own)
+    if foreign:
+        raise FlashDPError(
+            f"The optimizer holds {foreign} parameter(s) that are not the model's: flashdp clips and noises only "
+            "the model's trainable parameters. Build the optimizer from model.parameters()."
+        )
+
+
+def check_loss(loss: object) -> Tensor:
+    if not isinstance(loss, Tensor):
+        raise FlashDPError(f"engine.backward expects a tensor of per-sample losses. Received {type(loss).__name__}.")
+    if loss.dim() != 1:
+        raise FlashDPError(
+            f"Wrong shape: expected a 1-D loss of shape (B,), one loss per sample. Received a {loss.dim()}-dim "
+            f"tensor of shape {tuple(loss.shape)}. Use reduction='none' and reduce all but the batch dim "
+            "(e.g. loss.mean(dim=1))."
+        )
+    if not loss.requires_grad:
+        raise FlashDPError("The loss does not require grad: compute it from the model's output with grad enabled.")
+    finite = torch.isfinite(loss.detach())
+    if not bool(finite.all()):
+        bad = torch.nonzero(~finite).flatten().tolist()
+        raise FlashDPError(f"Non-finite per-sample losses at batch indices {bad[:20]}: fix them before clipping.")
+    return loss

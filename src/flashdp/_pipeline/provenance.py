@@ -1,0 +1,106 @@
+"""Gradients reach the optimizer only through engine.backward.
+
+A gradient that did not come from `engine.backward` (a plain `loss.backward()` after make_private, a stale `.grad`
+left from before it, a gradient clipped or rescaled by the caller) must not be noised and stepped as if it were
+private. Two guards, at no cost to a step:
+
+- fingerprints: after every `engine.backward`, each accumulated gradient's identity and version counter (bumped
+  by every in-place change); `engine.backward` and `engine.step` refuse to go on if one changed since, unless it
+  was cleared (None or zeros: that removes signal, never adds any). The first backward of a step likewise refuses
+  a non-zero gradient it did not produce.
+- a pre-hook on the optimizer's `step()`, which refuses a step not taken by `engine.step()` (it adds no noise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from flashdp.errors import FlashDPError
+
+#: (name, the tensor holding this rank's accumulated gradient, or None)
+Gradients = Sequence[tuple[str, Tensor | None]]
+
+
+class GradientProvenance:
+    def __init__(self, optimizer: torch.optim.Optimizer | None) -> None:
+        #: name -> (gradient, its version) as engine.backward left it; None: no backward since the last step.
+        #: The tensors themselves, not their ids: a freed gradient's id may be reused by a foreign one.
+        self._fingerprints: dict[str, tuple[Tensor, int] | None] | None = None
+        self._stepping = False
+        self._hook = optimizer.register_step_pre_hook(self._refuse_foreign_step) if optimizer is not None else None
+
+    def check_before_backward(self, gradients: Gradients) -> None:
+        foreign = self._foreign(gradients)
+        if foreign and self._fingerprints is None:
+            raise FlashDPError(
+                f"Parameters {_names(foreign)} already have a gradient that engine.backward did not produce (left "
+                "from a plain loss.backward(), or from before make_private). It would be noised and stepped as if it "
+                "were private. Clear it first: optimizer.zero_grad() or model.zero_grad()."
+            )
+        if foreign:
+            self._refuse_changed(foreign, "engine.backward")
+
+    def check_before_step(self, gradients: Gradients) -> None:
+        foreign = self._foreign(gradients)
+        if foreign:
+            self._refuse_changed(foreign, "engine.step")
+
+    def record(self, gradients: Gradients) -> None:
+        """After engine.backward: the gradients as it left them."""
+        self._fingerprints = {name: _fingerprint(g) for name, g in gradients}
+
+    def stepped(self) -> None:
+        self._fingerprints = None
+
+    @contextlib.contextmanager
+    def engine_step(self) -> Iterator[None]:
+        self._stepping = True
+        try:
+            yield
+        finally:
+            self._stepping = False
+
+    def remove(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _foreign(self, gradients: Gradients) -> list[str]:
+        """Non-zero gradients not as engine.backward left them."""
+        known = self._fingerprints or {}
+        return [
+            name for name, g in gradients if g is not None and not _same(known.get(name), g) and bool(g.detach().any())
+        ]
+
+    def _refuse_changed(self, names: list[str], where: str) -> None:
+        raise FlashDPError(
+            f"The gradients of {_names(names)} changed between engine.backward and {where}: a plain loss.backward() "
+            "or an in-place change (gradient clipping, rescaling). Only engine.backward may produce the gradients "
+            "engine.step noises; post-processing them before the noise breaks the privacy guarantee. Remove that "
+            "call."
+        )
+
+    def _refuse_foreign_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self._stepping:
+            raise FlashDPError(
+                "optimizer.step() was called directly after make_private: that step adds no noise and is not "
+                "accounted, so it is not private. Call engine.backward(per_sample_losses), then engine.step() "
+                "(which calls optimizer.step() and optimizer.zero_grad() itself)."
+            )
+
+
+def _fingerprint(g: Tensor | None) -> tuple[Tensor, int] | None:
+    return None if g is None else (g, g._version)
+
+
+def _same(fingerprint: tuple[Tensor, int] | None, g: Tensor) -> bool:
+    return fingerprint is not None and fingerprint[0] is g and fingerprint[1] == g._version
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:5])
+    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")

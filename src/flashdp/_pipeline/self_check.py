@@ -1,0 +1,138 @@
+"""The self-check: on the first backward and then at a set interval, what flashdp counted is compared with
+autograd's own per-sample gradients, taken on the very graph being clipped. It catches what no rule can see:
+
+1. batch independence (one extra pass over the graph): weighting the losses by random powers of two `r_i` must
+   scale row i of every recorded output's gradient by exactly `r_i`. That holds only if row i of each layer's
+   output belongs to sample i alone and `loss[i]` depends on sample i only. It fails for a layer whose dim 0 is
+   not the batch (a time-major `[T, B, d]` input with T == B, relative-position ids `[q_len, k_len]`) and for
+   losses that mix samples (a contrastive loss over the batch, a loss using the batch mean).
+2. per-sample gradients (one extra backward per checked sample): autograd's gradient of `loss[i]` for every
+   trainable parameter against the norm flashdp counted for it and, in bk, against the gradient it will add.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from flashdp._pipeline.param_grad import ClippedSumPlan
+from flashdp._pipeline.recorder import Call
+from flashdp.errors import FlashDPError
+
+#: samples whose full per-sample gradients each check compares
+SAMPLES_PER_CHECK = 2
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Counted:
+    """What flashdp counted for one trainable parameter in this backward."""
+
+    name: str
+    #: the tensor autograd differentiates: the parameter as the forward used it
+    tensor: Tensor
+    #: `[B]`
+    norm_sq: Tensor
+    #: the clipped-sum plan (bk), from which sample i's gradient is `plan.clipped_sum(e_i)`; None in ghost / flash
+    plan: ClippedSumPlan | None
+
+
+def tolerance(dtypes: Sequence[torch.dtype]) -> float:
+    """Relative error allowed between two exact computations of one gradient that round differently: a wrong
+    assumption makes errors of order 1 (a missing contribution, another sample's rows)."""
+    if any(d in _HALF for d in dtypes):
+        return 5e-2
+    if all(d == torch.float64 for d in dtypes):
+        return 1e-6
+    return 1e-3
+
+
+def _powers_of_two(batch: int, generator: torch.Generator) -> Tensor:
+    """`[B]` weights in {1, 2, 4, 8}, not all equal. Scaling by a power of two is exact in floating point, so a
+    per-sample gradient scales exactly, rounding noise included: the comparison needs no magnitude floor and sees
+    layers whose gradients are tiny next to others'."""
+    weights = 2.0 ** torch.randint(0, 4, (batch,), generator=generator, dtype=torch.float64)
+    if batch > 1 and bool((weights == weights[0]).all()):
+        weights[0] *= 2
+    return weights
+
+
+def check_batch_independence(
+    loss: Tensor, calls: Sequence[Call], output_grads: Sequence[Tensor | None], rtol: float, generator: torch.Generator
+) -> None:
+    """Raise if some recorded output's gradient rows are not per-sample (see the module docstring)."""
+    batch = loss.shape[0]
+    weights = _powers_of_two(batch, generator).to(loss.device)
+    with torch.enable_grad():
+        weighted_loss = (loss * weights.to(loss.dtype)).sum()
+    weighted = torch.autograd.grad(weighted_loss, [c.edge for c in calls], retain_graph=True, allow_unused=True)
+    mixed = []
+    for call, grad, weighted_grad in zip(calls, output_grads, weighted, strict=True):
+        if grad is None or weighted_grad is None or batch < 2:
+            continue
+        expected = call.grad_output(grad).double().flatten(1) * weights[:, None]
+        got = call.grad_output(weighted_grad).double().flatten(1)
+        error = (got - expected).norm(dim=1)
+        scale = expected.norm(dim=1) + got.norm(dim=1)
+        if bool((error > rtol * (scale + 1e-3 * scale.max())).any()):
+            mixed.append(call.layer.label)
+    if mixed:
+        every = len(set(mixed)) == len({c.layer.label for c in calls})
+        cause = (
+            "every layer fails, so most likely the per-sample losses mix samples (a contrastive loss over the batch, "
+            "a loss or normalisation that uses batch statistics): loss[i] must depend on sample i only"
+            if every
+            else "the batch is not the first dim of these layers' outputs (a time-major [T, B, ...] input whose T "
+            "happens to equal B, ids of shape [q_len, k_len] as in relative position biases, rows permuted inside "
+            "the forward), or samples are mixed after them"
+        )
+        raise FlashDPError(
+            "Self-check failed: the gradient of these layers' outputs is not separable by sample: "
+            f"{', '.join(dict.fromkeys(mixed))}. Row i of a layer's output must belong to sample i alone. Likely "
+            f"cause: {cause}. See docs/assumptions.md."
+        )
+
+
+def check_per_sample(
+    loss: Tensor, counted: Sequence[Counted], samples: Sequence[int], rtol: float, retain_graph: bool
+) -> None:
+    """Raise if, for a checked sample, a parameter's counted gradient differs from autograd's."""
+    tensors = [c.tensor for c in counted]
+    for k, i in enumerate(samples):
+        with torch.enable_grad():  # an empty rank still runs the pass (FSDP collectives)
+            target = loss[i] if loss.shape[0] else loss.sum()
+        keep = retain_graph or k < len(samples) - 1
+        true = torch.autograd.grad(target, tensors, retain_graph=keep, allow_unused=True)
+        if not loss.shape[0]:
+            continue
+        true = [torch.zeros_like(c.tensor) if g is None else g for c, g in zip(counted, true, strict=True)]
+        total = math.sqrt(sum(float(g.double().square().sum()) for g in true))
+        problems = [p for c, g in zip(counted, true, strict=True) if (p := _disagreement(c, g, i, rtol, total))]
+        if problems:
+            raise FlashDPError(
+                f"Self-check failed for sample {i}: what flashdp counted differs from autograd's per-sample "
+                "gradient:\n  - " + "\n  - ".join(problems) + "\nLikely causes: a parameter used outside the "
+                "forward of the layer that counts it, a custom rule (register_rule) that computes another "
+                "gradient, or a loss[i] that depends on other samples. See docs/assumptions.md."
+            )
+
+
+def _disagreement(counted: Counted, true: Tensor, i: int, rtol: float, total: float) -> str | None:
+    true_norm = float(true.double().norm())
+    norm = math.sqrt(max(float(counted.norm_sq[i]), 0.0))
+    floor = rtol * total
+    if abs(norm - true_norm) > rtol * (norm + true_norm) + floor:
+        return f"'{counted.name}': counted norm {norm:.4g}, autograd's {true_norm:.4g}"
+    if counted.plan is not None:
+        one_hot = torch.zeros_like(counted.norm_sq)
+        one_hot[i] = 1
+        gradient = counted.plan.clipped_sum(one_hot).double()
+        error = float((gradient - true.double().reshape(gradient.shape)).norm())
+        if error > rtol * (float(gradient.norm()) + true_norm) + floor:
+            return f"'{counted.name}': the gradient it would add is {error:.4g} away from autograd's ({true_norm:.4g})"
+    return None

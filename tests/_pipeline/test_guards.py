@@ -1,0 +1,86 @@
+"""What the engine is given, checked where it can go wrong: a second engine, a model copied or saved while
+attached, replaced parameters, a second backward on one forward, an engine dropped without detach."""
+
+import copy
+import gc
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import flashdp
+from flashdp import FlashDPError
+from tests.oracle import check_against_oracle
+from tests.strategies import per_sample_loss
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+
+
+def _engine(model):
+    return flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def test_a_second_engine_on_the_same_model_is_refused_until_the_first_detaches():
+    model = _mlp()
+    first = _engine(model)
+    with pytest.raises(FlashDPError, match=r"Another engine is attached to this model .*engine\.detach\(\)"):
+        _engine(model)
+    first.detach()
+    _engine(model).detach()
+
+
+def test_an_engine_dropped_without_detach_removes_its_hooks():
+    model = _mlp()
+    _engine(model)  # never detached
+    gc.collect()
+    assert not any(m._forward_hooks for m in model.modules())
+    _engine(model).detach()
+
+
+@pytest.mark.parametrize("save", [copy.deepcopy, lambda m: torch.save(m, io.BytesIO())], ids=["deepcopy", "save"])
+def test_copying_or_saving_the_model_between_forward_and_backward(save):
+    model = _mlp()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with _engine(model) as engine:
+        out = model(x)
+        copied = save(model)
+        engine.backward(per_sample_loss(out))
+    if copied is not None:  # the copy is plain PyTorch: its hooks are inert
+        copied(x).sum().backward()
+    model.zero_grad()
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 3)
+
+
+def test_a_deep_copy_made_while_attached_records_nothing():
+    model = _mlp()
+    with _engine(model) as engine:
+        copied = copy.deepcopy(model)
+        copied(torch.randn(2, 4, dtype=torch.float64))
+        assert engine._recorder.calls == []
+
+
+def test_parameters_replaced_by_load_state_dict_assign_are_refused():
+    model = _mlp()
+    with _engine(model) as engine:
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        with pytest.raises(FlashDPError, match=r"were replaced by new tensors since make_private .*assign=True"):
+            engine.backward(per_sample_loss(model(torch.randn(2, 4, dtype=torch.float64))))
+
+
+def test_load_state_dict_in_place_is_fine():
+    model = _mlp()
+    with _engine(model) as engine:
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+        engine.backward(per_sample_loss(model(torch.randn(2, 4, dtype=torch.float64))))
+
+
+def test_a_second_backward_on_one_forward_says_so():
+    model = _mlp()
+    with _engine(model) as engine:
+        loss = per_sample_loss(model(torch.randn(2, 4, dtype=torch.float64)))
+        engine.backward(loss)
+        with pytest.raises(FlashDPError, match=r"already called on this forward's loss: each forward is clipped once"):
+            engine.backward(loss)

@@ -1,0 +1,106 @@
+"""Activation checkpointing: non-reentrant checkpointing is exact; reentrant checkpointing is refused with the
+way out."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import flashdp
+from flashdp import FlashDPError
+from tests.conftest import MODES, requires_triton
+from tests.oracle import check_against_oracle
+from tests.strategies import per_sample_loss
+from tests.test_hf_models import VOCAB, gpt2, llama, lm_loss, positions
+
+REENTRANT = r"activation checkpointing with use_reentrant=True.*use_reentrant=False"
+
+
+class OwnForwardLinear(nn.Linear):
+    """A Linear subclass with its own forward: checked against the Linear rule on its first call."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool = False):
+        super().__init__()
+        self.reentrant = reentrant
+        self.block = nn.Sequential(OwnForwardLinear(4, 6), nn.Tanh(), nn.LayerNorm(6), nn.Linear(6, 6))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant).tanh())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_non_reentrant_checkpointing_is_exact(mode):
+    model = Checkpointed().double() if mode != "flash" else Checkpointed()
+    x = torch.randn(5, 3, 4, dtype=next(model.parameters()).dtype)
+    rtol = 2e-4 if mode == "flash" else 1e-9
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 5, mode=mode, rtol=rtol)
+    model.zero_grad()  # a second step: nothing recorded during the first one's recomputation lingers
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 5, mode=mode, rtol=rtol)
+
+
+def test_reentrant_checkpointing_is_refused():
+    """(Without an input that requires grad, torch's reentrant checkpoint gives the segment no gradient at all,
+    private or not, and warns: nothing then reaches its parameters for flashdp to miss.)"""
+    model = Checkpointed(reentrant=True)
+    with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=1.0) as engine:
+        out = model(torch.randn(3, 4, requires_grad=True))
+        with pytest.raises(FlashDPError, match=REENTRANT):
+            engine.backward(per_sample_loss(out))
+
+
+def _bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+    )  # fmt: skip
+    return BertForSequenceClassification(config)
+
+
+def _loss_of(name, model):
+    ids = torch.randint(1, VOCAB, (3, 6))
+    if name == "bert":
+        labels = torch.tensor([0, 2, 1])
+        return lambda s: F.cross_entropy(
+            model(input_ids=ids[s], position_ids=positions(ids[s])).logits, labels[s], reduction="none"
+        )
+    return lambda s: lm_loss(model(ids[s], position_ids=positions(ids[s])).logits, ids[s])
+
+
+MODELS = {"llama": lambda: llama(False), "gpt2": gpt2, "bert": _bert}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("kwargs", [None, {"use_reentrant": False}], ids=["default", "non-reentrant"])
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_hf_gradient_checkpointing_is_exact(name, kwargs, mode):
+    model = MODELS[name]().double().train()  # checkpointing runs in training mode; the configs have no dropout
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    check_against_oracle(model, _loss_of(name, model), 3, mode=mode, rtol=1e-7)
+
+
+@pytest.mark.slow
+@requires_triton
+def test_hf_gradient_checkpointing_in_flash_mode_is_exact():
+    model = llama(True).train()
+    model.gradient_checkpointing_enable()
+    check_against_oracle(model, _loss_of("llama", model), 3, mode="flash", rtol=2e-4)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_hf_reentrant_gradient_checkpointing_is_refused(name):
+    model = MODELS[name]().train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=1.0) as engine:
+        loss = _loss_of(name, model)(slice(None))
+        with pytest.raises(FlashDPError, match=REENTRANT):
+            engine.backward(loss)

@@ -1,21 +1,33 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   private vs non-private training of a small LM on text shipped in the repo (~1 min)
-#   make test   the test suite
+#   make test   the test suite (lint, then pytest; then pytest again in an environment without triton)
 # and: make bench (benchmarks vs non-private and Opacus, regenerates docs/benchmarks.md), make docs (site/)
 # torch is pinned to 2.13.0 first so that pip never pulls a newer CUDA build onto a CPU machine.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# a second environment without triton: flashdp must train where triton is not installed (macOS, Windows)
+BARE_VENV ?= .venv-no-triton
+BARE_PY := $(BARE_VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+PYTEST := -m pytest -q -n 2 -p no:cacheprovider
 
-.PHONY: install demo test lint format bench docs
+.PHONY: install demo test test-main test-no-triton lint format bench docs
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e ".[test,dev,examples]"
+	$(PY) -m pip install --quiet -e ".[test,dev,examples,kernels]"
+	touch $@
+
+$(BARE_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(BARE_VENV)
+	$(BARE_PY) -m pip install --quiet --upgrade pip
+	$(BARE_PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(BARE_PY) -m pip install --quiet -e ".[test,examples]"
+	@! $(BARE_PY) -c "import triton" 2>/dev/null || (echo "triton is installed in $(BARE_VENV)"; exit 1)
 	touch $@
 
 install: $(VENV)/.installed
@@ -23,9 +35,14 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) examples/train_lm.py
 
-test: install
+test: test-main test-no-triton
+
+test-main: install
 	$(PY) -m ruff check src tests examples benchmarks
-	$(PY) -m pytest -q -n 2 -p no:cacheprovider
+	$(PY) $(PYTEST)
+
+test-no-triton: $(BARE_VENV)/.installed
+	$(BARE_PY) $(PYTEST)
 
 lint: install
 	$(PY) -m ruff check src tests examples benchmarks

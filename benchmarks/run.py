@@ -184,7 +184,7 @@ def main() -> None:
     from benchmarks.report import write_report
 
     command = "python benchmarks/run.py" + (" --quick" if args.quick else "")
-    write_report(rows, OUT, ROOT / "docs" / "benchmarks.md", command)
+    write_report(rows, OUT, command)
     print(f"wrote {csv_path.relative_to(ROOT)}, plots in {OUT.relative_to(ROOT)}, docs/benchmarks.md")
 
 

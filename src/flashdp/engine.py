@@ -12,15 +12,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flashdp._pipeline import coverage, guards, self_check
+from flashdp._pipeline import broadcast, coverage, guards, self_check
 from flashdp._pipeline.clipping import Clipping, clip_coefficients
-from flashdp._pipeline.norm_pass import check_calls, output_gradients, per_param_gradients
+from flashdp._pipeline.norm_pass import batch_dim, check_calls, output_gradients, per_param_gradients
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice
 from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.profiling import PhaseTimer, profiling_requested
 from flashdp._pipeline.provenance import GradientProvenance
 from flashdp._pipeline.recorder import Call, Recorder
-from flashdp._pipeline.scan import ModelScan, scan_model
+from flashdp._pipeline.scan import GradientPlan, scan_model
 from flashdp._pipeline.settings import DEFAULT_SELF_CHECK_INTERVAL, EngineSettings, Mode
 from flashdp.distributed import Adapter, adapter_for
 from flashdp.distributed.checks import check_global_batch, check_norm_group, check_same_samples
@@ -55,7 +55,7 @@ class DPEngine:
         self.settings = settings
         self._timer = PhaseTimer(settings.profile)
         self._adapter = adapter_for(model, self._timer, secure_rng=settings.secure_rng)  # attach() changes it
-        self._scan: ModelScan = scan_model(model, self._adapter.param_views)
+        plan = scan_model(model, self._adapter.param_views)
         self._trainable = guards.TrainableParams(model, check_identity=not self._adapter.swaps_parameters)
         self.optimizer = optimizer
         if optimizer is not None:
@@ -75,17 +75,15 @@ class DPEngine:
             self._noise = NoiseSource(self._adapter.noise_seed(seed))
         if norm_group is not None:
             check_norm_group(norm_group, self._adapter.dp_group)
-        self._layer_modules = [layer.module for layer in self._scan.layers]
-        guards.claim(self._layer_modules, self, {id(layer.module): layer.label for layer in self._scan.layers})
+        self._hooked = [site.module for site in plan.sites.values()]
+        guards.claim(self._hooked, self, {id(site.module): site.label for site in plan.sites.values()})
         self._adapter.attach()
         self._accountant = Accountant(resolved.accountant)
         self._backward_since_step = False
         self._samples_since_step = 0
-        self._recorder = Recorder(self._scan.layers, on_call=self._timer.forward_started)
+        self._recorder = Recorder(plan, self._timer.forward_started, keep_params=self._adapter.reshards_after_forward)
         self._provenance = GradientProvenance(optimizer)
-        self._detach = weakref.finalize(
-            self, _detach, self._recorder, self._provenance, self._adapter, self._layer_modules
-        )
+        self._detach = weakref.finalize(self, _detach, self._recorder, self._provenance, self._adapter, self._hooked)
         self._strategies: dict[str, str] = {}
         self._structures: set[tuple[int, ...]] = set()  # forward structures whose coverage was checked
         self._backward_calls = 0
@@ -93,6 +91,13 @@ class DPEngine:
         # the same on every rank: TP ranks must weight the losses alike, FSDP ranks run the same passes
         self._check_generator = torch.Generator().manual_seed(0)
         self._last_loss_node: int | None = None
+        self._shared_sites: set[int] = set()  # modules whose outputs are shared across the batch
+
+    @property
+    def _plan(self) -> GradientPlan:
+        """Which rule counts each parameter. The recorder owns it: a module found in the forward not to compute
+        what its registered rule assumes is moved to the generic rule there."""
+        return self._recorder.plan
 
     @property
     def mode(self) -> Mode:
@@ -119,7 +124,7 @@ class DPEngine:
         self._timer.forward_ended()
         self._trainable.check_unchanged()
         loss = guards.check_loss(loss)
-        self._provenance.check_before_backward(self._adapter.accumulated_gradients(self._scan.params))
+        self._provenance.check_before_backward(self._adapter.accumulated_gradients(self._plan.params))
         calls = recorder.take()
         if not calls:
             raise self._no_forward_error(loss)
@@ -134,31 +139,50 @@ class DPEngine:
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
         # an empty batch on one rank of several still runs every pass: the wrappers' collectives must match
         checking = self._self_check_due()
-        structure = tuple(id(call.layer.module) for call in calls)
-        if checking or structure not in self._structures:
-            coverage.refuse(coverage.uncovered_uses(loss, calls, coverage.param_nodes(self.model, calls)))
-            self._structures.add(structure)
+        structure = tuple(id(call.module) for call in calls)
+        new_structure = structure not in self._structures
+        if (checking or new_structure) and self._cover(loss, calls):
+            checking = self._self_check_enabled  # a new plan is checked at once
+        self._structures.add(structure)
+        plan = self._plan
+        calls = [c for c in calls if plan.site(c.module).match]  # the rule sites' calls (scopes only enclose)
+        if not calls:
+            raise FlashDPError(
+                "The loss does not depend on any trainable layer recorded in the last forward pass: compute the "
+                "per-sample losses from this model's output."
+            )
         second_pass = self.settings.second_backward and self._adapter.second_backward
-        with self._timer.phase("norm pass"), self._adapter.norm_pass():
-            output_grads = output_gradients(loss, calls, retain_graph=second_pass or checking)
+        # a new structure, and every self-check, verifies that every layer's output rows are per-sample
+        verify = (checking or new_structure) and self._adapter.second_backward
+        verify &= batch > 1 or self._adapter.world_size > 1  # every rank runs the pass (FSDP collectives)
+        for attempt in range(2):  # a layer found shared across the batch only by verifying is learnt, then redone
+            shared = self._shared_outputs(loss, calls, batch)
+            sharing = broadcast.per_sample_gradients(list(shared.values()), batch)
+            with self._timer.phase("norm pass"), self._adapter.norm_pass(), sharing:
+                output_grads = output_gradients(loss, calls, retain_graph=second_pass or checking or verify)
+            with torch.no_grad():
+                check_calls(plan, calls, output_grads, batch, shared)
+                failing = self._batch_independence(loss, calls, output_grads, shared) if verify else []
+            if not failing:
+                break
+            if attempt or not self._learn_shared(loss, calls, failing, batch):
+                sites = [plan.site(c.module).label for c in calls]
+                raise self_check.batch_independence_error([sites[i] for i in failing], sites)
+        shared_grads = {key: output.per_sample for key, output in shared.items()}
         # the recorded activations require grad; nothing below is differentiated
         with torch.no_grad(), kernels_backend(self.settings.backend), self._timer.phase("norm computation"):
-            check_calls(calls, output_grads, batch)
-            if checking:
-                self._check_batch_independence(loss, calls, output_grads)
-            grads = per_param_gradients(self._scan, calls, output_grads, batch, self.settings.norm_strategy)
+            with recorder.paused():  # the generic rule re-runs forwards
+                grads = per_param_gradients(plan, calls, output_grads, batch, self.settings.norm_strategy, shared_grads)
             held = self._graph_tensors(calls) if checking else {}
-            rtol = self_check.tolerance([loss.dtype, *(c.output.dtype for c in calls)]) if checking else 0.0
+            dtypes = [loss.dtype, *(m.dtype for c in calls for m in c.output_meta)]
             # From here on only the ParamGradients hold activations and output gradients, and each plan only
             # what its clipped sum needs (a directly-normed layer keeps only its per-sample gradient).
-            del calls, output_grads
+            del calls, output_grads, shared, shared_grads
             norms = self._norms(grads, keep_for_sum=not second_pass)
             del grads
             if checking:
-                self._check_per_sample(loss, norms, held, rtol, retain_graph=second_pass)
-            clip_norms_sq = torch.zeros(
-                len(self._scan.clip_group_names), batch, dtype=torch.float64, device=loss.device
-            )
+                self._check_per_sample(loss, norms, held, self_check.tolerance(dtypes), retain_graph=second_pass)
+            clip_norms_sq = torch.zeros(len(plan.clip_group_names), batch, dtype=torch.float64, device=loss.device)
             for param, norm in norms:
                 clip_norms_sq[param.clip_group] += norm.norm_sq.to(clip_norms_sq.dtype)
             if self.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
@@ -174,8 +198,33 @@ class DPEngine:
                     for param, norm in norms:
                         self._adapter.accumulate(param, norm.plan.clipped_sum(coef[param.clip_group]))
                     self._adapter.accumulation_done()
-        self._provenance.record(self._adapter.accumulated_gradients(self._scan.params))
+        self._provenance.record(self._adapter.accumulated_gradients(plan.params))
         return clip_norms_sq.sum(0).sqrt().float()
+
+    def _cover(self, loss: Tensor, calls: list[Call]) -> bool:
+        """Make every trainable parameter's use counted: parameters used outside the site counting them move to
+        the generic rule at the smallest module enclosing their uses. Whether the plan changed."""
+        changed = False
+        for _ in range(len(self._plan.params) + 1):  # each round moves at least one parameter up the tree
+            uses = coverage.uncovered_uses(loss, calls, self._plan, self.model.named_parameters())
+            if not uses:
+                return changed
+            targets = coverage.promotions(uses, calls, self._plan)
+            if self._adapter.reshards_after_forward:
+                raise FlashDPError(
+                    f"Under FSDP, flashdp counts a parameter used outside its own module only by a rule registered "
+                    f"for the module whose forward uses it; these would need the generic rule there: "
+                    f"{', '.join(sorted(use.param.name for use in uses))}. Tie weights by sharing the Parameter "
+                    "between layers, call layers rather than reading their weights, or register a rule."
+                )
+            plan = self._plan
+            for module, keys in targets.items():
+                plan = plan.promote(module, keys)
+            self._recorder.plan = plan
+            self._structures.clear()
+            changed = True
+        coverage.refuse(coverage.uncovered_uses(loss, calls, self._plan, self.model.named_parameters()))
+        return changed
 
     def _norms(
         self, grads: list[tuple[TrainableParam, ParamGradient]], keep_for_sum: bool
@@ -186,29 +235,74 @@ class DPEngine:
 
     # -- the self-check and what it needs -------------------------------------------------------------------
 
+    @property
+    def _self_check_enabled(self) -> bool:
+        """Not under FSDP1, which cannot run a second pass over one forward."""
+        return self.settings.self_check is not None and self._adapter.second_backward
+
     def _self_check_due(self) -> bool:
         """On the first backward, then every `self_check` calls (the same on every rank: it adds passes over
-        the graph, which run collectives under FSDP2). Not under FSDP1, which cannot run a second pass."""
+        the graph, which run collectives under FSDP2)."""
         index, self._backward_calls = self._backward_calls, self._backward_calls + 1
         interval = self.settings.self_check
-        if interval is None or not self._adapter.second_backward:
+        if not self._self_check_enabled:
             return False
         if self._last_self_check is not None and index - self._last_self_check < interval:
             return False
         self._last_self_check = index
         return True
 
-    def _check_batch_independence(self, loss: Tensor, calls: list[Call], output_grads: tuple) -> None:
-        rtol = self_check.tolerance([loss.dtype, *(c.output.dtype for c in calls)])
+    def _batch_independence(self, loss: Tensor, calls: list[Call], output_grads: list, shared: dict) -> list[int]:
+        """The calls whose output rows are not per-sample (batch independence, the self-check's first part)."""
+        dims = [batch_dim(self._plan.site(c.module)) for c in calls]
+        rtol = self_check.tolerance([loss.dtype, *(m.dtype for c in calls for m in c.output_meta)])
         with self._adapter.norm_pass():
-            self_check.check_batch_independence(loss, calls, output_grads, rtol, self._check_generator)
+            return self_check.batch_independence_failures(
+                loss, calls, output_grads, dims, set(shared), rtol, self._check_generator
+            )
+
+    def _shared_outputs(self, loss: Tensor, calls: list[Call], batch: int) -> dict:
+        """(call, output) -> SharedOutput for every output shared across the batch: those without the batch dim,
+        and every output of a site known to share its output (a shared output's dims may equal B by chance)."""
+        if batch < 2:
+            return {}
+        candidates = [
+            (i, j, edge, meta.shape)
+            for i, call in enumerate(calls)
+            for j, (edge, meta) in enumerate(zip(call.edges, call.output_meta, strict=True))
+            if id(call.module) in self._shared_sites or _lacks_batch(meta.shape, self._batch_dim(call), batch)
+        ]
+        if not candidates:
+            return {}
+        graph = broadcast.parents(loss)
+        shared = {}
+        for i, j, edge, shape in candidates:
+            frontiers = broadcast.frontiers(edge, graph, batch)
+            if frontiers:
+                shared[(i, j)] = broadcast.SharedOutput(edge, shape, frontiers)
+                self._shared_sites.add(id(calls[i].module))
+        return shared
+
+    def _batch_dim(self, call: Call) -> int:
+        return batch_dim(self._plan.site(call.module))
+
+    def _learn_shared(self, loss: Tensor, calls: list[Call], failing: list[int], batch: int) -> bool:
+        """Whether every failing call shares its outputs across the batch (its dims equal B by chance): then they
+        are known as shared from now on."""
+        graph = broadcast.parents(loss)
+        found = all(any(broadcast.frontiers(edge, graph, batch) for edge in calls[i].edges) for i in failing)
+        if found:
+            self._shared_sites.update(id(calls[i].module) for i in failing)
+        return found
 
     def _graph_tensors(self, calls: list[Call]) -> dict[object, Tensor]:
         """Each trainable parameter as the forward used it (a wrapper may have swapped in another tensor)."""
-        held = {p.key: p.param for p in self._scan.params}
+        held = {p.key: p.param for p in self._plan.params}
         for call in calls:
-            for name, tensor in zip(call.layer.trainable, call.params, strict=True):
-                held[self._scan.param_of[(id(call.layer.module), name)].key] = tensor
+            for name, tensor in call.params.items():
+                param = self._plan.param_of.get((id(call.module), name))
+                if param is not None and tensor.requires_grad:  # not a copy kept for the generic rule
+                    held[param.key] = tensor
         return held
 
     def _check_per_sample(
@@ -228,7 +322,7 @@ class DPEngine:
                 "engine.backward() was already called on this forward's loss: each forward is clipped once. Run a "
                 "new forward for the next backward."
             )
-        coverage.refuse(coverage.uncovered_uses(loss, [], coverage.param_nodes(self.model, [])))
+        coverage.refuse(coverage.uncovered_uses(loss, [], self._plan, self.model.named_parameters()))
         return FlashDPError(
             "engine.backward() found no forward pass to clip since the last backward: run the model's forward with "
             "gradients enabled (not under torch.no_grad()) after make_private and before backward, once per "
@@ -258,11 +352,11 @@ class DPEngine:
                 "engine.step() called with no engine.backward() since the last step: each step must follow at "
                 "least one backward (an empty Poisson batch counts: call backward on its empty loss)."
             )
-        self._provenance.check_before_step(self._adapter.accumulated_gradients(self._scan.params))
+        self._provenance.check_before_step(self._adapter.accumulated_gradients(self._plan.params))
         if self._adapter.dp_group is not None:
             check_global_batch(self.expected_batch_size, self._samples_since_step, self._adapter.dp_group)
         std = self.noise_multiplier * self.max_grad_norm
-        params = self._adapter.gradient_holders(self._scan.params)
+        params = self._adapter.gradient_holders(self._plan.params)
         with torch.no_grad():
             for p in params:
                 if p.grad is None:
@@ -334,6 +428,10 @@ class DPEngine:
         if not self._detach.alive:
             raise FlashDPError("This engine was detached; call flashdp.make_private(model, ...) again.")
         return self._recorder
+
+
+def _lacks_batch(shape: torch.Size, dim: int, batch: int) -> bool:
+    return len(shape) <= dim or shape[dim] != batch
 
 
 def _detach(recorder: Recorder, provenance: GradientProvenance, adapter: Adapter, modules: list[nn.Module]) -> None:

@@ -11,10 +11,10 @@ Two forms:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -77,3 +77,46 @@ def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
         if t.is_floating_point():
             dtype = torch.promote_types(dtype, t.dtype)
     return dtype
+
+
+@dataclass(frozen=True)
+class OutputMeta:
+    """Where one recorded output sits in the module's output, and what it looks like."""
+
+    #: its index among the tensor leaves of the module's output (`torch.utils._pytree.tree_leaves`)
+    slot: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """One recorded forward call, as a per-call rule (`register_rule(..., per_call=True)`) receives it.
+
+    outputs / grad_outputs: the call's output tensors that require grad (None where not kept) and the gradient of
+    the summed per-sample losses with respect to each (None where it does not reach the loss); output_meta
+    describes each.
+    params: the parameters the rule counts, by name relative to the module, as it held them during the call.
+    batch_dim: where the batch is in the inputs and outputs.
+    autocast: (device type, dtype) of the autocast region the call ran in, or None.
+    """
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    outputs: tuple[Tensor | None, ...]
+    output_meta: tuple[OutputMeta, ...]
+    grad_outputs: tuple[Tensor | None, ...]
+    params: dict[str, Tensor]
+    batch_size: int
+    #: k when the batch is folded into B * k rows (k per sample, sample-major), else 1
+    rows_per_sample: int = 1
+    batch_dim: int = 0
+    #: the other parameters and buffers the forward used, as held during the call, where a wrapper (FSDP) has
+    #: since replaced them; empty otherwise
+    frozen: dict[str, Tensor] = field(default_factory=dict)
+    #: per output, whether it is shared across the batch (no batch dim, or one of size 1, broadcast later): its
+    #: grad_outputs entry is then the per-sample gradient `[B, *output shape]`
+    shared: tuple[bool, ...] = ()
+    autocast: tuple[str, torch.dtype] | None = None
+    label: str = field(default="", compare=False)

@@ -2,8 +2,9 @@
 
 At `make_private`:
     settings.py     the engine's settings, checked once (`EngineSettings`)
-    scan.py         the trainable layers, their rules and clipping groups (`ModelScan`); params.py: how a
-                    parameter is identified whatever wraps the model
+    scan.py         the gradient plan: the rule counting each trainable parameter (registered rules, else the
+                    generic one in flashdp.rules.generic), the hooked modules, the clipping groups; params.py:
+                    how a parameter is identified whatever wraps the model
 
 Each `engine.backward(loss)`:
     1. record       recorder.py: forward hooks keep references to each trainable layer call's inputs and the

@@ -1,25 +1,30 @@
-"""Coverage: every trainable parameter that reaches the loss is counted whole, or the step is refused.
+"""Coverage: every trainable parameter that reaches the loss is counted whole, else it is moved to a rule that
+counts it whole, or the step is refused.
 
 A rule counts a parameter's contribution through one recorded call: the part of the autograd graph between the
 call's output and its inputs. A parameter can also reach the loss another way (`F.linear(x, layer.weight)`, a
 tied head written as `h @ emb.weight.T`, `layer.forward(x)` that skips the hooks, a wrapper reading a child's
 weight): that contribution would be missing from its norm. The walk below follows the graph from the loss and
 tracks, along every path, the recorded calls it is inside of (entered at a call's output, left at one of its
-inputs); a parameter reached on a path whose innermost call does not count it is a use no rule sees.
+inputs). A parameter is covered on a path inside a call of the site counting it: a generic site anywhere in the
+path's calls (its rule re-runs the whole forward), a registered rule's site as the innermost rule site.
 
-The walk visits each (node, enclosing calls) pair once: about the size of the autograd graph, run at the first
-backward of every new forward structure and at every self-check.
+A use no site covers is moved (`promotions`) to the generic rule at the smallest module whose calls enclose
+every use of that parameter; what no module encloses is refused. The walk visits each (node, enclosing calls)
+pair once: about the size of the autograd graph, run at the first backward of every new forward structure and at
+every self-check.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor, nn
 from torch.autograd.graph import Node, get_gradient_edge
 
 from flashdp._pipeline.recorder import Call
+from flashdp._pipeline.scan import GradientPlan
 from flashdp.errors import FlashDPError
 
 #: autograd nodes of activation checkpointing that runs its segment without a graph (torch's reentrant
@@ -28,37 +33,40 @@ _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
 
 @dataclass(frozen=True)
-class Use:
-    """A parameter reached by the loss on a path no recorded call covering it encloses."""
+class ParamNode:
+    """A trainable parameter's node in the graph, and who it is."""
 
-    param: str
+    name: str
+    #: the plan's key for it (None: a parameter the plan does not know, e.g. an FSDP1 flat parameter)
+    key: Hashable | None
+
+
+@dataclass(frozen=True)
+class Use:
+    """A parameter reached by the loss on a path no site counting it encloses."""
+
+    param: ParamNode
     #: the autograd op that consumed it
     op: str
-    #: the innermost recorded call the path was inside of, if any
-    within: Call | None
-
-    def describe(self) -> str:
-        where = (
-            f"inside the forward of {self.within.layer.label}, whose rule does not count it"
-            if self.within
-            else ("outside the forward of every layer that counts it")
-        )
-        return f"'{self.param}' reaches the loss through {self.op} {where}"
+    #: the recorded calls the path was inside of, outermost first (indices into the walk's calls)
+    inside: tuple[int, ...]
 
 
-def uncovered_uses(loss: Tensor, calls: Sequence[Call], param_names: dict[Node, str]) -> list[Use]:
-    """Every use of a named parameter that no recorded call covering it encloses (one per parameter and op).
+def uncovered_uses(
+    loss: Tensor, calls: Sequence[Call], plan: GradientPlan, registered: Iterable[tuple[str, Tensor]]
+) -> list[Use]:
+    """Every use of a trainable parameter that no site counting it encloses (one per parameter, op and path).
 
-    param_names: the graph node of each trainable parameter (its AccumulateGrad node, or the view a wrapper
-    exposes), as held during the forward, and its name. Nodes are keyed by themselves, never by id: a Python node
-    object freed during the walk could hand its id to another.
-    """
+    registered: the model's `named_parameters()` (a wrapper's flat parameters among them)."""
+    param_nodes = _param_nodes(plan, calls, registered)
     output_calls: dict[Node, list[int]] = {}
     for i, call in enumerate(calls):
-        output_calls.setdefault(call.edge.node, []).append(i)
+        for edge in call.edges:
+            output_calls.setdefault(edge.node, []).append(i)
     boundaries = [{(e.node, e.output_nr) for e in call.input_edges} for call in calls]
-    covered = [{get_gradient_edge(p).node for p in call.params} for call in calls]
-    uses: dict[tuple[str, str], Use] = {}
+    counted = [_counted_nodes(plan, call) for call in calls]
+    generic = [plan.site(call.module).is_generic for call in calls]
+    uses: dict[tuple[str, str, tuple[int, ...]], Use] = {}
     entered: set[int] = set()
     seen: set[tuple[Node, tuple[int, ...]]] = set()
     pending: list[tuple[Node, tuple[int, ...], str]] = [(loss.grad_fn, (), "the loss")] if loss.grad_fn else []
@@ -67,15 +75,14 @@ def uncovered_uses(loss: Tensor, calls: Sequence[Call], param_names: dict[Node, 
         if (node, inside) in seen:
             continue
         seen.add((node, inside))
-        for i in reversed(output_calls.get(node, ())):  # entering calls here, outermost first
+        for i in reversed(output_calls.get(node, ())):  # entering calls here, outermost (recorded last) first
             entered.add(i)
             if i not in inside:
                 inside = (*inside, i)
-        name = param_names.get(node)
-        if name is not None:
-            if not (inside and node in covered[inside[-1]]):
-                within = calls[inside[-1]] if inside else None
-                uses.setdefault((name, consumer), Use(name, consumer, within))
+        param = param_nodes.get(node)
+        if param is not None:
+            if not _covered(node, inside, counted, generic):
+                uses.setdefault((param.name, consumer, inside), Use(param, consumer, inside))
             continue
         if node.name() == _REENTRANT_CHECKPOINT:
             raise FlashDPError(
@@ -89,47 +96,108 @@ def uncovered_uses(loss: Tensor, calls: Sequence[Call], param_names: dict[Node, 
             if child is not None:
                 pending.append((child, _leave(inside, boundaries, (child, output_nr)), node.name()))
     if uses:
-        _refuse_hidden_outputs([c for i, c in enumerate(calls) if i not in entered])
+        _refuse_hidden_outputs(plan, [c for i, c in enumerate(calls) if i not in entered])
     return list(uses.values())
 
 
-def _refuse_hidden_outputs(unreached: list[Call]) -> None:
-    """A call whose output was changed in place after it returned is cut out of the graph: the uses found
-    inside it are then its own, hidden. Say so, rather than blame the parameters."""
-    for call in unreached:
-        if call.modified_in_place():
-            raise call.hidden_by_in_place_error()
+def _covered(node: Node, inside: tuple[int, ...], counted: list[set[Node]], generic: list[bool]) -> bool:
+    """A generic site counts every use inside its calls; a registered rule only those in its own formula, so its
+    site must be the innermost rule site on the path."""
+    for depth in range(len(inside) - 1, -1, -1):
+        i = inside[depth]
+        if node in counted[i] and (generic[i] or all(not counted[j] for j in inside[depth + 1 :])):
+            return True
+    return False
+
+
+def _counted_nodes(plan: GradientPlan, call: Call) -> set[Node]:
+    site = plan.site(call.module)
+    held = [call.params[n] for n in site.trainable if n in call.params]
+    tensors = [*held, *(plan.param_of[(id(call.module), n)].param for n in site.trainable)]
+    return {node for t in tensors if (node := _node(t)) is not None}
+
+
+def _param_nodes(plan: GradientPlan, calls: Sequence[Call], registered: Iterable[tuple[str, Tensor]]) -> dict:
+    """Every trainable parameter's graph node: as the recorded calls held them (a wrapper may swap in unsharded
+    tensors or views during the forward), as the plan and the model register them. Nodes are keyed by themselves,
+    never by id: a Python node object freed during the walk could hand its id to another."""
+    out: dict[Node, ParamNode] = {}
+    for call in calls:
+        for name, tensor in call.params.items():
+            param = plan.param_of.get((id(call.module), name))
+            if param is not None and (node := _node(tensor)) is not None:
+                out.setdefault(node, ParamNode(param.name, param.key))
+    for p in plan.params:
+        if (node := _node(p.param)) is not None:
+            out.setdefault(node, ParamNode(p.name, p.key))
+    for name, tensor in registered:  # e.g. FSDP1's flat parameters, which the plan knows only through views
+        if (node := _node(tensor)) is not None:
+            out.setdefault(node, ParamNode(name, None))
+    return out
+
+
+def _node(tensor: Tensor) -> Node | None:
+    """The tensor's graph node, or None where it has none (frozen) or none any more (a wrapper's stale view)."""
+    if not tensor.requires_grad:
+        return None
+    try:
+        return get_gradient_edge(tensor).node
+    except RuntimeError:
+        return None
 
 
 def _leave(inside: tuple[int, ...], boundaries: list[set[tuple[Node, int]]], edge: tuple[Node, int]) -> tuple[int, ...]:
     """The calls still enclosing a path that crosses `edge`: an input of a call leads out of it and of every call
-    it is nested in deeper."""
+    nested in it."""
     for depth, i in enumerate(inside):
         if edge in boundaries[i]:
             return inside[:depth]
     return inside
 
 
-def param_nodes(model: nn.Module, calls: Sequence[Call]) -> dict[Node, str]:
-    """Every trainable parameter's graph node and its name: the parameters registered on the model, and those the
-    recorded calls held (a wrapper may swap in unsharded tensors or views during the forward)."""
-    out = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            out[get_gradient_edge(p).node] = name
-    for call in calls:
-        for attribute, p in zip(call.layer.trainable, call.params, strict=True):
-            if p.requires_grad:
-                out.setdefault(get_gradient_edge(p).node, f"{call.layer.path}.{attribute}".lstrip("."))
-    return out
+def promotions(uses: list[Use], calls: Sequence[Call], plan: GradientPlan) -> dict[nn.Module, list[Hashable]]:
+    """Per uncovered parameter, the smallest module whose calls enclose every one of its uses: the module the
+    generic rule will count it at. Raises for a parameter no module can take (used outside every recorded call,
+    or not part of the tree of the module enclosing its uses)."""
+    by_param: dict[Hashable, list[Use]] = {}
+    for use in uses:
+        if use.param.key is None or not use.inside:
+            refuse([use])
+        by_param.setdefault(use.param.key, []).append(use)
+    targets: dict[nn.Module, list[Hashable]] = {}
+    for key, param_uses in by_param.items():
+        enclosing = set.intersection(*({id(calls[i].module) for i in use.inside} for use in param_uses))
+        owner_path = param_uses[0].param.name.rpartition(".")[0]
+        candidates = [
+            site
+            for site in plan.sites.values()
+            if id(site.module) in enclosing and (site.path == "" or f"{owner_path}.".startswith(f"{site.path}."))
+        ]
+        if not candidates:
+            refuse(param_uses)
+        target = max(candidates, key=lambda site: site.path.count(".") + bool(site.path))
+        targets.setdefault(target.module, []).append(key)
+    return targets
+
+
+def _refuse_hidden_outputs(plan: GradientPlan, unreached: list[Call]) -> None:
+    """A call whose output was changed in place after it returned is cut out of the graph: the uses found
+    inside it are then its own, hidden. Say so, rather than blame the parameters."""
+    for call in unreached:
+        if call.modified_in_place():
+            raise call.hidden_by_in_place_error(plan.site(call.module).label)
 
 
 def refuse(uses: list[Use]) -> None:
     if uses:
         raise FlashDPError(
             "flashdp would miss part of these parameters' per-sample gradients:\n  - "
-            + "\n  - ".join(use.describe() for use in uses)
-            + "\nA parameter's whole contribution must pass through the forward of a layer whose rule counts it: "
-            "call the layer itself (not F.linear(x, layer.weight), `x @ layer.weight.T` or layer.forward(x)), "
-            "or freeze the parameter."
+            + "\n  - ".join(
+                f"'{use.param.name}' reaches the loss through {use.op} outside the forward of every "
+                "module that could count it"
+                for use in uses
+            )
+            + "\nA parameter's whole contribution must pass through the forward of the model (or of a module whose "
+            "rule counts it): call the layer itself (not F.linear(x, layer.weight) outside the model), or freeze the "
+            "parameter."
         )

@@ -1,66 +1,95 @@
-"""The norm pass: the gradient of the summed loss at every recorded call's output, in one autograd pass that
-computes no parameter gradient, turned by each call's rule into per-sample gradients collected per parameter."""
+"""The norm pass: the gradient of the summed loss at every rule site call's outputs, in one autograd pass that
+computes no parameter gradient, turned by each site's rule into per-sample gradients collected per parameter."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 
 import torch
 from torch import Tensor
 
 from flashdp._pipeline.param_grad import ParamGradient, StrategyChoice
-from flashdp._pipeline.params import TrainableParam
+from flashdp._pipeline.params import TrainableParam, attribute
 from flashdp._pipeline.recorder import Call
-from flashdp._pipeline.scan import ModelScan
+from flashdp._pipeline.scan import GradientPlan, Site
 from flashdp.errors import FlashDPError
+from flashdp.per_sample import LayerCall, PerSampleGrad
+
+#: per call, the gradient at each of its output edges (None where it does not reach the loss)
+OutputGrads = tuple[Tensor | None, ...]
+#: (call index, output index) -> the per-sample gradient `[B, *shape]` of an output shared across the batch
+SharedGrads = dict[tuple[int, int], Tensor]
 
 
-def output_gradients(loss: Tensor, calls: Sequence[Call], retain_graph: bool) -> tuple[Tensor | None, ...]:
-    """`d sum(loss) / d output` of every call (None where the output does not reach the loss)."""
-    return torch.autograd.grad(loss.sum(), [c.edge for c in calls], retain_graph=retain_graph, allow_unused=True)
+def output_gradients(loss: Tensor, calls: Sequence[Call], retain_graph: bool) -> list[OutputGrads]:
+    """`d sum(loss) / d output` of every output of every call."""
+    grads = torch.autograd.grad(
+        loss.sum(), [e for c in calls for e in c.edges], retain_graph=retain_graph, allow_unused=True
+    )
+    out, start = [], 0
+    for call in calls:
+        out.append(tuple(grads[start : start + len(call.edges)]))
+        start += len(call.edges)
+    return out
 
 
-def check_calls(calls: Sequence[Call], output_grads: Sequence[Tensor | None], batch: int) -> None:
-    """Each call whose output reaches the loss was made on this batch, batch first, and its gradient is visible."""
-    for call, grad_at_edge in zip(calls, output_grads, strict=True):
-        if grad_at_edge is not None:
-            _check_call_batch(call, batch)
-        elif call.modified_in_place():
-            raise call.hidden_by_in_place_error()
+def batch_dim(site: Site) -> int:
+    rule = site.match.rule
+    return rule.batch_dim(site.module) if rule.batch_dim else 0
+
+
+def check_calls(
+    plan: GradientPlan,
+    calls: Sequence[Call],
+    output_grads: Sequence[OutputGrads],
+    batch: int,
+    shared: Collection[tuple[int, int]] = (),
+) -> None:
+    """Each call whose outputs reach the loss was made on this batch, batch first (or shared across it), and its
+    gradient is visible."""
+    for index, (call, grads) in enumerate(zip(calls, output_grads, strict=True)):
+        site = plan.site(call.module)
+        if all(g is None for g in grads):
+            if call.modified_in_place():
+                raise call.hidden_by_in_place_error(site.label)
+            continue
+        dim = batch_dim(site)
+        for j, (meta, grad) in enumerate(zip(call.output_meta, grads, strict=True)):
+            if grad is not None and (index, j) not in shared:
+                _check_batch(site, meta.shape[dim] if len(meta.shape) > dim else 1, batch)
 
 
 def per_param_gradients(
-    scan: ModelScan,
+    plan: GradientPlan,
     calls: Sequence[Call],
-    output_grads: Sequence[Tensor | None],
+    output_grads: Sequence[OutputGrads],
     batch: int,
     strategy: StrategyChoice,
+    shared: SharedGrads | None = None,
 ) -> list[tuple[TrainableParam, ParamGradient]]:
     """Every trainable parameter reached by the loss, with its per-sample contributions from every call (checked
     by `check_calls`)."""
     by_param: dict[Hashable, tuple[TrainableParam, ParamGradient]] = {}
-    for call, grad_at_edge in zip(calls, output_grads, strict=True):
-        layer = call.layer
-        if grad_at_edge is None:
-            continue  # this call's output does not reach the loss
-        grad_output = call.grad_output(grad_at_edge)
-        params = [scan.param_of[(id(layer.module), name)] for name in layer.trainable]
+    for index, (call, grads) in enumerate(zip(calls, output_grads, strict=True)):
+        if all(g is None for g in grads):
+            continue  # this call's outputs do not reach the loss
+        site = plan.site(call.module)
+        params = [plan.param_of[(id(call.module), name)] for name in site.trainable]
+        mine = {j: g for (i, j), g in (shared or {}).items() if i == index}
         if batch == 0:  # a rank without samples this step: nothing to add, but the same parameters as others
-            per_sample = {n: grad_output.new_zeros(0, *p.shape) for n, p in zip(layer.trainable, params, strict=True)}
+            per_sample = {n: grads[0].new_zeros(0, *p.shape) for n, p in zip(site.trainable, params, strict=True)}
         else:
-            per_sample = layer.match.rule.per_sample_grads(
-                layer.module, call.inputs, grad_output, frozenset(layer.trainable)
-            )
-        missing = set(layer.trainable) - set(per_sample)
+            per_sample = _run_rule(site, call, grads, batch, mine)
+        missing = set(site.trainable) - set(per_sample)
         if missing:
             raise FlashDPError(
-                f"Rule {layer.match.rule.name} returned no per-sample gradient for {sorted(missing)} of layer "
-                f"{layer.label}."
+                f"Rule {site.match.rule.name} returned no per-sample gradient for {sorted(missing)} of layer "
+                f"{site.label}."
             )
-        for name, param in zip(layer.trainable, params, strict=True):
+        for name, param in zip(site.trainable, params, strict=True):
             if param.key not in by_param:
                 by_param[param.key] = (param, ParamGradient(param.name, param.shape, batch, strategy))
-            by_param[param.key][1].add(per_sample[name], layer.label)
+            by_param[param.key][1].add(per_sample[name], site.label, generic=site.is_generic)
     if not by_param:
         raise FlashDPError(
             "The loss does not depend on any trainable layer recorded in the last forward pass: compute the "
@@ -69,17 +98,83 @@ def per_param_gradients(
     return list(by_param.values())
 
 
-def _check_call_batch(call: Call, batch: int) -> None:
-    if call.batch_size == 1 and batch > 1:
+def _run_rule(
+    site: Site, call: Call, grads: OutputGrads, batch: int, shared: dict[int, Tensor]
+) -> dict[str, PerSampleGrad]:
+    """The site's rule on one call. An output shared across the batch brings its per-sample gradient
+    `[B, *shape]`; a simple rule then sees B copies of the call's inputs."""
+    rule = site.match.rule
+    rows = _rows_per_sample(call, site, batch, shared)
+    if not rule.per_call:
+        inputs, shape = call.inputs, call.output_meta[0].shape
+        grad_output = grads[0].view(shape)
+        if 0 in shared:
+            grad_output, inputs = _as_batch(shared[0], shape, inputs, batch)
+        elif rows > 1:  # B * k rows: as [B, k, ...]
+            grad_output, inputs = _unfold_rows(grad_output, batch), tuple(_unfold_rows(x, batch) for x in inputs)
+        return rule.per_sample_grads(call.module, inputs, grad_output, frozenset(site.trainable))
+    params = {
+        name: call.params[name] if name in call.params else attribute(call.module, name) for name in site.trainable
+    }
+    layer_call = LayerCall(
+        module=call.module,
+        args=call.args,
+        kwargs=call.kwargs,
+        outputs=call.outputs,
+        output_meta=call.output_meta,
+        grad_outputs=tuple(shared.get(j, g) for j, g in enumerate(grads)),
+        shared=tuple(j in shared for j in range(len(grads))),
+        params=params,
+        batch_size=batch,
+        rows_per_sample=rows,
+        batch_dim=batch_dim(site),
+        autocast=call.autocast,
+        frozen=call.frozen,
+        label=site.label,
+    )
+    return rule.per_sample_grads(layer_call)
+
+
+def _rows_per_sample(call: Call, site: Site, batch: int, shared: dict[int, Tensor]) -> int:
+    """k when the call's batch outputs have B * k rows (a batch folded into rows, k per sample, sample-major: the
+    batch-independence check verifies it on every new forward structure), else 1."""
+    dim = batch_dim(site)
+    sizes = {m.shape[dim] for j, m in enumerate(call.output_meta) if j not in shared and len(m.shape) > dim}
+    return max(sizes, default=batch) // batch if batch else 1
+
+
+def _unfold_rows(x: object, batch: int) -> object:
+    if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] % batch == 0 and x.shape[0] > batch:
+        return x.reshape(batch, x.shape[0] // batch, *x.shape[1:])
+    return x
+
+
+def _as_batch(per_sample: Tensor, shape: torch.Size, inputs: tuple, batch: int) -> tuple[Tensor, tuple]:
+    """A shared output's per-sample gradient as a batch `[B, ...]` of outputs, and the inputs as B copies."""
+    if shape and shape[0] == 1:  # called on a batch of 1: its dim 0 becomes the batch
+        grad = per_sample.view(batch, *shape[1:])
+        copies = tuple(x.expand(batch, *x.shape[1:]) if _unit_batch(x) else x for x in inputs)
+    else:  # no batch dim at all: a new one
+        grad = per_sample
+        copies = tuple(x.expand(batch, *x.shape) if isinstance(x, Tensor) else x for x in inputs)
+    return grad, copies
+
+
+def _unit_batch(x: object) -> bool:
+    return isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == 1
+
+
+def _check_batch(site: Site, size: int, batch: int) -> None:
+    if size == 1 and batch > 1:
         raise FlashDPError(
-            f"Layer {call.layer.label} was called on a batch of 1 while the loss has {batch} samples: its output "
+            f"Layer {site.label} was called on a batch of 1 while the loss has {batch} samples: its output "
             "was shared across the batch by broadcasting (e.g. position embeddings looked up with "
             "position_ids of shape [1, T]), so autograd only sees the gradient summed over samples. Give it "
             "each sample's own input (for HF models: position_ids=torch.arange(T).expand(B, T)) or freeze it."
         )
-    if call.batch_size != batch:
+    if batch and size % batch:  # (B * k rows, k per sample, are a batch folded into rows: checked as rows)
         raise FlashDPError(
-            f"Batch size mismatch: the loss has {batch} per-sample values, but layer {call.layer.label} was "
-            f"called on a batch of {call.batch_size} (its output's first dim). flashdp needs the batch as "
-            "the first dim of every layer's input and output, and one loss per sample."
+            f"Batch size mismatch: the loss has {batch} per-sample values, but layer {site.label} was "
+            f"called on a batch of {size} (its output's first dim). flashdp needs the batch as "
+            "the first dim of every layer's input and output (or B * k rows, k per sample), and one loss per sample."
         )

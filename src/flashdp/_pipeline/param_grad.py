@@ -69,8 +69,10 @@ class ParamGradient:
         self.strategy_choice = strategy
         self.per_sample: Tensor | None = None  # [B, *shape], from rules that materialise
         self.blocks: list[OuterGrad] = []
+        self.generic = False  # counted by the generic rule (shown as the strategy)
 
-    def add(self, grad: PerSampleGrad, source: str) -> None:
+    def add(self, grad: PerSampleGrad, source: str, generic: bool = False) -> None:
+        self.generic |= generic
         if isinstance(grad, OuterGrad):
             self._check_block(grad, source)
             self.blocks.append(grad)
@@ -106,7 +108,7 @@ class ParamGradient:
             )
         if self.per_sample is not None:
             plan = ClippedSumPlan(self.shape, per_sample=self.per_sample) if keep_for_sum else None
-            return ParamNorm(sum_of_squares(self.per_sample), "per-sample", plan)
+            return ParamNorm(sum_of_squares(self.per_sample), "generic" if self.generic else "per-sample", plan)
         return self._blocks_norm_sq(keep_for_sum)
 
     def _blocks_norm_sq(self, keep_for_sum: bool) -> ParamNorm:

@@ -43,3 +43,11 @@ class TrainableParam:
     clip_group: int
     key: Hashable
     shape: torch.Size
+
+
+def attribute(module: nn.Module, dotted_name: str) -> Tensor:
+    """A parameter by dotted name relative to `module`, also where a wrapper holds it as a plain tensor attribute
+    (FSDP1)."""
+    for part in dotted_name.split("."):
+        module = getattr(module, part)
+    return module

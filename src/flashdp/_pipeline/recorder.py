@@ -1,9 +1,11 @@
-"""Forward hooks that record, for each call of a trainable layer, references to its inputs, the parameters it
-held, and the gradient edge of its output (taken before any later in-place op can move it)."""
+"""Forward hooks on every site of the gradient plan. A call records references to its inputs and the gradient
+edges of its outputs (taken before any later in-place op can move them); a rule site's call also keeps its
+outputs and the parameters its rule counts, as the module held them during the call."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -11,8 +13,10 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_leaves
 
-from flashdp._pipeline.scan import Layer
+from flashdp._pipeline.params import attribute
+from flashdp._pipeline.scan import GradientPlan, Site
 from flashdp.errors import FlashDPError
+from flashdp.per_sample import OutputMeta
 
 #: Relative error allowed when checking a module's forward against its rule's. It catches a different function
 #: (errors of order 1), not rounding: HF norms compute in float32 even for float64 inputs.
@@ -21,36 +25,45 @@ _FORWARD_CHECK_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4}
 
 @dataclass(frozen=True)
 class Call:
-    """One forward call of a trainable layer.
+    """One forward call of a hooked module.
 
-    edge: where the norm pass takes the gradient of the output. For an output that is a full reshape of an
+    edges: where the norm pass takes the gradient of each output. For an output that is a full reshape of an
     internal tensor (nn.Linear on a 3-D input returns a view), the edge of that base: a later in-place op on the
     view (ReLU(inplace=True)) re-routes the graph around the view's own node, never around the base's.
     """
 
-    layer: Layer
-    #: the positional inputs (or, without any, the keyword inputs' values), as the layer's rule takes them
-    inputs: tuple
-    #: the gradient edges of every tensor input (positional and keyword) that requires grad: where the call's
-    #: part of the autograd graph ends
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    #: the gradient edges of every tensor input that requires grad: where the call's part of the graph ends
     input_edges: tuple[GradientEdge, ...]
-    #: the layer's trainable parameters as it held them during the call (wrappers may swap them afterwards)
-    params: tuple[Tensor, ...]
-    output: Tensor
-    output_version: int
-    edge: GradientEdge
-    batch_size: int
+    #: per output tensor that requires grad: where it sits in the output, its shape and dtype
+    output_meta: tuple[OutputMeta, ...]
+    edges: tuple[GradientEdge, ...]
+    #: a rule site's outputs (None for a scope's, which are not kept: that would hold e.g. the logits)
+    outputs: tuple[Tensor | None, ...]
+    output_versions: tuple[int, ...]
+    #: a rule site's counted parameters, as held during the call
+    params: dict[str, Tensor]
+    #: under a wrapper that replaces parameters after the forward, a generic site's other parameters as held
+    frozen: dict[str, Tensor]
+    autocast: tuple[str, torch.dtype] | None
 
-    def grad_output(self, grad_at_edge: Tensor) -> Tensor:
-        """The gradient at the edge, shaped like the output `[B, ...]`."""
-        return grad_at_edge.view(self.output.shape)
+    @property
+    def inputs(self) -> tuple:
+        """The positional inputs, or without any, the keyword inputs' values: what a simple rule takes."""
+        return self.args or tuple(self.kwargs.values())
+
+    def batch_size(self, batch_dim: int = 0) -> int | None:
+        shapes = [m.shape for m in self.output_meta]
+        return shapes[0][batch_dim] if shapes and len(shapes[0]) > batch_dim else None
 
     def modified_in_place(self) -> bool:
-        return self.output._version != self.output_version
+        return any(o is not None and o._version != v for o, v in zip(self.outputs, self.output_versions, strict=True))
 
-    def hidden_by_in_place_error(self) -> FlashDPError:
+    def hidden_by_in_place_error(self, label: str) -> FlashDPError:
         return FlashDPError(
-            f"The output of layer {self.layer.label} was modified in place after the layer returned it (e.g. "
+            f"The output of layer {label} was modified in place after the layer returned it (e.g. "
             "ReLU(inplace=True) or `out += x`), which hides its gradient. Make that operation out of place "
             "(inplace=False, `out = out + x`)."
         )
@@ -58,40 +71,80 @@ class Call:
 
 class Recorder:
     """Records calls made with gradients enabled, outside any backward pass (a non-reentrant checkpoint
-    recomputes its segment inside the backward: those calls are not the forward's); `take()` hands them over
-    and forgets them."""
+    recomputes its segment inside the backward: those calls are not the forward's) and outside the engine's own
+    recomputations (`paused`); `take()` hands them over and forgets them.
 
-    def __init__(self, layers: list[Layer], on_call: Callable[[], None] = lambda: None) -> None:
+    keep_params: a wrapper replaces parameters after the forward (FSDP): generic sites copy theirs.
+    """
+
+    def __init__(self, plan: GradientPlan, on_call: Callable[[], None] = lambda: None, keep_params: bool = False):
+        self.plan = plan
         self.calls: list[Call] = []
         self._on_call = on_call
+        self._keep_params = keep_params
+        self._paused = False
         self._verified: set[int] = set()
         # prepend: run before a wrapper's own post-forward hook (FSDP2 reshards its parameters there)
         self._handles = [
-            layer.module.register_forward_hook(_Hook(self, layer), with_kwargs=True, prepend=True) for layer in layers
+            site.module.register_forward_hook(_Hook(self), with_kwargs=True, prepend=True)
+            for site in plan.sites.values()
         ]
 
-    def record(self, layer: Layer, args: tuple, kwargs: dict, output: object) -> None:
-        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+    def record(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        if self._paused or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return
-        if not isinstance(output, Tensor):
-            raise FlashDPError(
-                f"Layer {layer.label} returned {type(output).__name__}; flashdp's rules expect one output tensor."
-            )
-        if not output.requires_grad:
+        site = self.plan.sites.get(id(module))
+        if site is None:
             return
-        if output.dim() == 0:
-            raise FlashDPError(f"Layer {layer.label} returned a scalar; expected a batched output [B, ...].")
+        leaves = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
+        slots = _distinct_slots(leaves)
+        if site.match is not None and site.match.verify_with is not None and id(module) not in self._verified:
+            self._verified.add(id(module))
+            if _differs_from_its_rule(site, args or tuple(kwargs.values()), output):
+                site = self._to_generic(site)
+        if site.match is not None and not site.match.rule.per_call:
+            _check_single_output(site, output)
+        if not slots:
+            return
         self._on_call()
-        inputs = args or tuple(kwargs.values())
-        input_edges = tuple(
-            get_gradient_edge(t) for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t.requires_grad
+        outputs = [leaves[i] for i in slots]
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t.requires_grad]
+        counting = site.match is not None
+        params = {name: attribute(module, name) for name in site.trainable}
+        frozen: dict[str, Tensor] = {}
+        if self._keep_params and site.is_generic:
+            params = {n: p.detach().clone() for n, p in params.items()}
+            frozen = {n: t.detach().clone() for n, t in _tensors_of(module) if n not in params}
+        self.calls.append(
+            Call(
+                module=module,
+                args=args,
+                kwargs=kwargs,
+                input_edges=tuple(get_gradient_edge(t) for t in inputs),
+                output_meta=tuple(OutputMeta(i, leaves[i].shape, leaves[i].dtype) for i in slots),
+                edges=tuple(get_gradient_edge(_reshape_base(t)) for t in outputs),
+                outputs=tuple(t if counting else None for t in outputs),
+                output_versions=tuple(t._version for t in outputs),
+                params=params,
+                frozen=frozen,
+                autocast=_autocast_state(outputs[0].device.type),
+            )
         )
-        if layer.match.verify_with is not None and id(layer.module) not in self._verified:
-            _check_forward(layer, inputs, output)
-            self._verified.add(id(layer.module))
-        params = tuple(getattr(layer.module, name) for name in layer.trainable)
-        edge = get_gradient_edge(_reshape_base(output))
-        self.calls.append(Call(layer, inputs, input_edges, params, output, output._version, edge, output.shape[0]))
+
+    def _to_generic(self, site: Site) -> Site:
+        """A module that does not compute what its registered rule assumes gets the generic rule instead."""
+        keys = [self.plan.param_of[(id(site.module), name)].key for name in site.trainable]
+        self.plan = self.plan.promote(site.module, keys)
+        return self.plan.site(site.module)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Record nothing meanwhile (the generic rule re-runs forwards)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def take(self) -> list[Call]:
         calls, self.calls = self.calls, []
@@ -105,15 +158,14 @@ class Recorder:
 
 
 class _Hook:
-    """The forward hook of one layer. Copying or pickling a model while attached (copy.deepcopy, torch.save)
+    """The forward hook of one module. Copying or pickling a model while attached (copy.deepcopy, torch.save)
     copies its hooks: the copy gets an inert hook, so it is plain PyTorch and holds none of the engine's state."""
 
-    def __init__(self, recorder: Recorder, layer: Layer) -> None:
+    def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
-        self.layer = layer
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        self.recorder.record(self.layer, args, kwargs, output)
+        self.recorder.record(module, args, kwargs, output)
 
     def __reduce__(self) -> tuple:
         return (_inert_hook, ())
@@ -125,6 +177,36 @@ def _inert_hook() -> Callable[..., None]:
 
 def _ignore(*_: object) -> None:
     return None
+
+
+def _distinct_slots(leaves: list[Tensor]) -> list[int]:
+    """The positions of the output tensors that require grad, each tensor once (an output may hold the same
+    tensor twice, e.g. a last hidden state also returned among all hidden states): a gradient is taken once."""
+    seen: set[int] = set()
+    slots = []
+    for i, t in enumerate(leaves):
+        if t.requires_grad and id(t) not in seen:
+            seen.add(id(t))
+            slots.append(i)
+    return slots
+
+
+def _tensors_of(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def _autocast_state(device_type: str) -> tuple[str, torch.dtype] | None:
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        return device_type, torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _check_single_output(site: Site, output: object) -> None:
+    if not isinstance(output, Tensor):
+        raise FlashDPError(f"Layer {site.label} returned {type(output).__name__}; its rule expects one output tensor.")
+    if output.requires_grad and output.dim() == 0:
+        raise FlashDPError(f"Layer {site.label} returned a scalar; expected a batched output [B, ...].")
 
 
 def _reshape_base(output: Tensor) -> Tensor:
@@ -142,25 +224,15 @@ def _reshape_base(output: Tensor) -> Tensor:
 
 
 @torch.no_grad()  # entirely: inside a checkpointed region, a saved tensor would break the recomputation
-def _check_forward(layer: Layer, inputs: tuple, output: Tensor) -> None:
-    """A module matched by duck typing, or overriding its class's forward, must compute what its rule assumes:
-    checked on its first call, while its parameters are as the call saw them."""
-    problem = None
+def _differs_from_its_rule(site: Site, inputs: tuple, output: Tensor) -> bool:
+    """Whether a module matched by duck typing, or overriding its class's forward, computes something else than
+    its rule assumes (checked on its first call, while its parameters are as the call saw them)."""
     try:
-        expected = layer.match.verify_with(layer.module, inputs)
-    except Exception as error:  # a forward with another signature or input type: not the rule's function
-        problem = f"its rule's forward cannot even run on its inputs ({type(error).__name__}: {error})"
-    else:
-        tolerance = _FORWARD_CHECK_TOLERANCE.get(output.dtype, 3e-2)
-        if not isinstance(expected, Tensor) or expected.shape != output.shape:
-            problem = "its rule's forward gives another shape"
-        else:
-            error = (expected.double() - output.double()).norm() / output.double().norm().clamp_min(1e-30)
-            if not bool(error <= tolerance):
-                problem = f"its output differs from its rule's forward by {float(error):.2g} (relative)"
-    if problem is not None:
-        raise FlashDPError(
-            f"Layer {layer.label} matched rule {layer.match.rule.name}, but its forward does not compute what that "
-            f"rule assumes: {problem}. Its per-sample gradients would be wrong. Register a rule for its type with "
-            "flashdp.register_rule(...), or freeze its parameters."
-        )
+        expected = site.match.verify_with(site.module, inputs)
+    except Exception:  # a forward with another signature or input type: not the rule's function
+        return True
+    if not isinstance(output, Tensor) or not isinstance(expected, Tensor) or expected.shape != output.shape:
+        return True
+    tolerance = _FORWARD_CHECK_TOLERANCE.get(output.dtype, 3e-2)
+    error = (expected.double() - output.double()).norm() / output.double().norm().clamp_min(1e-30)
+    return not bool(error <= tolerance)

@@ -1,68 +1,125 @@
-"""What `make_private` learns of a model once: its trainable layers, their rules, and the clipping groups."""
+"""The gradient plan: which rule counts each trainable parameter, and which modules the engine hooks.
+
+A *rule site* is a module whose rule counts a set of trainable parameters (its own, or a descendant's its forward
+uses: "out_proj.weight"): a registered rule (a fast path) or, for any module without one, the generic rule. Every
+trainable parameter is counted by exactly one site. A *scope* is an ancestor of a rule site, hooked only so that
+the coverage walk knows which module's forward encloses a use. A parameter found to be used outside the site that
+counts it is moved to the generic rule at the smallest module whose forward encloses every use (`promote`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from flashdp._pipeline.params import ParamView, ParamViews, TrainableParam, local_param_views
 from flashdp.errors import FlashDPError
 from flashdp.rules import RuleMatch, find_rule
+from flashdp.rules.generic import GENERIC
 
 #: Layer types whose output for one sample depends on the other samples of the batch.
 SAMPLE_MIXING = (nn.modules.batchnorm._BatchNorm,)
+#: Wrappers around the user's model: never a site (their forward runs the wrapper's own machinery).
+WRAPPERS = (nn.parallel.DistributedDataParallel, FullyShardedDataParallel)
 
 
 @dataclass(frozen=True)
-class Layer:
-    """A module that owns trainable parameters, and the rule that gives their per-sample gradients."""
+class Site:
+    """A module the engine hooks: a rule site when `match` is set, else a scope."""
 
     path: str
     module: nn.Module
-    match: RuleMatch
-    #: names of its own trainable parameters, in registration order: the same on every rank, as the order of
-    #: per-parameter collectives must be (a set's order varies with each process's string hashing)
-    trainable: tuple[str, ...]
+    match: RuleMatch | None = None
+    #: the trainable parameters its rule counts, by name relative to the module, in a fixed order (the same on
+    #: every rank, as the order of per-parameter collectives must be)
+    trainable: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
         return f"'{self.path or '<root>'}' ({type(self.module).__name__})"
 
+    @property
+    def is_generic(self) -> bool:
+        return self.match is not None and self.match.rule is GENERIC
+
 
 @dataclass(frozen=True)
-class ModelScan:
-    layers: list[Layer]
+class GradientPlan:
+    #: id(module) -> its site, in the model's module order
+    sites: dict[int, Site]
     params: list[TrainableParam]
-    #: a name per clipping group (the path of its first layer)
+    #: a name per clipping group (the path of its first site)
     clip_group_names: list[str]
-    #: (id(module), parameter name) -> the parameter as registered at make_private. Wrappers such as FSDP2 swap
-    #: the objects registered on a module (sharded / unsharded), so a module and a name identify a parameter.
+    #: (id(site module), name relative to it) -> the parameter. Wrappers such as FSDP2 swap the objects
+    #: registered on a module (sharded / unsharded), so a module and a name identify a parameter.
     param_of: dict[tuple[int, str], TrainableParam]
+    #: how the plan was built, to rebuild it with parameters moved: every module's trainable parameters, every
+    #: module (sites or not), and the parameters promoted so far (key -> id of the module counting them)
+    views: dict[int, dict[str, ParamView]] = field(repr=False)
+    all_sites: list[Site] = field(repr=False)
+    moved: dict[Hashable, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def rule_sites(self) -> list[Site]:
+        return [s for s in self.sites.values() if s.match is not None]
+
+    def site(self, module: nn.Module) -> Site:
+        """A hooked module's site; a module no rule counts at any more (its parameters moved) is a scope."""
+        site = self.sites.get(id(module))
+        return site if site is not None else next(s for s in self.all_sites if s.module is module)
+
+    def promote(self, module: nn.Module, keys: Iterable[Hashable]) -> GradientPlan:
+        """The plan with these parameters (of `module` or its descendants) counted by the generic rule at `module`,
+        with its own parameters."""
+        moved = dict(self.moved) | dict.fromkeys(keys, id(module))
+        return _plan([Site(s.path, s.module) for s in self.all_sites], self.views, moved)
 
 
-def scan_model(model: nn.Module, param_views: ParamViews = local_param_views) -> ModelScan:
-    """Find every trainable layer and its rule; fail loudly on anything that cannot be clipped exactly."""
+def scan_model(model: nn.Module, param_views: ParamViews = local_param_views) -> GradientPlan:
+    """Find every trainable parameter's rule; fail loudly on anything that cannot be counted exactly."""
     _refuse_sample_mixing(model)
-    layers, problems = [], []
-    owners: dict[Hashable, list[int]] = {}  # parameter key -> indices of the layers that own it
-    names: dict[Hashable, tuple[str, ParamView]] = {}
-    key_of: dict[tuple[int, str], Hashable] = {}
-    for path, module in model.named_modules():
-        own = param_views(module)
-        if not own:
-            continue
-        match = find_rule(module)
-        problem = _coverage_problem(path, module, match, own)
-        if problem:
-            problems.append(problem)
-            continue
-        for name, view in own.items():
-            owners.setdefault(view.key, []).append(len(layers))
-            names.setdefault(view.key, (f"{path}.{name}" if path else name, view))
-            key_of[(id(module), name)] = view.key
-        layers.append(Layer(path, module, match, tuple(own)))
+    modules = [(path, m) for path, m in model.named_modules() if not isinstance(m, WRAPPERS)]
+    views = {id(m): param_views(m) for _, m in modules}
+    if not any(views.values()):
+        raise FlashDPError(
+            "The model has no trainable parameters (none with requires_grad=True): nothing to train privately."
+        )
+    return _plan([Site(path, m) for path, m in modules], views, {})
+
+
+def _plan(modules: list[Site], views: dict[int, dict[str, ParamView]], moved: dict[Hashable, int]) -> GradientPlan:
+    """Assign every trainable parameter to one rule site; hook the ancestors of rule sites as scopes.
+
+    moved: parameter key -> id of the module whose generic rule counts it (promoted there).
+    """
+    by_id = {id(s.module): s for s in modules}
+    descendants = {id(s.module): _descendant_views(s, by_id, views) for s in modules}
+    taken: set[Hashable] = set()  # descendants' parameters a rule higher in the tree counts
+    counted: dict[int, list[str]] = {}
+    matches: dict[int, RuleMatch] = {}
+    problems = []
+    for site in modules:  # parents before children
+        here = id(site.module)
+        # a module's own parameters are counted by its rule (a tied parameter by every module holding it, each
+        # for the calls it makes), unless a rule higher up counts them or they were moved elsewhere
+        own = [n for n, v in views[here].items() if v.key not in taken and moved.get(v.key, here) == here]
+        below = descendants[here]
+        match = None if here in moved.values() else find_rule(site.module)
+        if match is not None and (match.rule.params is None or set(own) <= set(match.rule.params)):
+            listed = [n for n in match.rule.params or () if n in below and below[n].key not in moved]
+            taken.update(below[n].key for n in listed)
+            names = own + listed
+        else:  # no rule, one that cannot count all of the module's own parameters, or a promotion target
+            match = RuleMatch(GENERIC, None)
+            names = own + [n for n, v in below.items() if moved.get(v.key) == here]
+        reason = match.rule.check(site.module) if names and match.rule.check else None
+        if reason:
+            problems.append(f"'{site.path or '<root>'}' ({type(site.module).__name__}): {reason}")
+        if names:
+            counted[here], matches[here] = names, match
     if problems:
         raise FlashDPError(
             "flashdp cannot compute exact per-sample gradients for these trainable parameters:\n  - "
@@ -70,20 +127,55 @@ def scan_model(model: nn.Module, param_views: ParamViews = local_param_views) ->
             + "\nFreeze them (p.requires_grad_(False)), or teach flashdp the layer with "
             "flashdp.register_rule(LayerType, per_sample_grads) before make_private."
         )
-    if not layers:
-        raise FlashDPError(
-            "The model has no trainable parameters (none with requires_grad=True): nothing to train privately."
-        )
-    clip_group_of_layer = _union_groups(len(layers), owners.values())
+    scope_ids = {id(s.module) for s in modules if any(_is_ancestor(s, by_id[i]) for i in counted)} - set(counted)
+    sites = {}
+    for s in modules:
+        if id(s.module) in counted:
+            order = [*views[id(s.module)], *descendants[id(s.module)]]
+            trainable = tuple(sorted(counted[id(s.module)], key=order.index))
+            sites[id(s.module)] = Site(s.path, s.module, matches[id(s.module)], trainable)
+        elif id(s.module) in scope_ids:
+            sites[id(s.module)] = s
+    return _finish(sites, views, descendants, modules, moved)
+
+
+def _descendant_views(site: Site, by_id: dict[int, Site], views: dict) -> dict[str, ParamView]:
+    """Trainable parameters of the module's descendants, by name relative to it."""
+    prefix = f"{site.path}." if site.path else ""
+    out = {}
+    for other in by_id.values():
+        if other is not site and _is_ancestor(site, other):
+            for name, view in views[id(other.module)].items():
+                out.setdefault(f"{other.path}.{name}"[len(prefix) :], view)
+    return out
+
+
+def _is_ancestor(site: Site, other: Site) -> bool:
+    """Whether `other` is a strict descendant of `site`."""
+    return other is not site and (site.path == "" or other.path.startswith(f"{site.path}."))
+
+
+def _finish(sites: dict[int, Site], views: dict, descendants: dict, modules: list[Site], moved: dict) -> GradientPlan:
+    rule_sites = [s for s in sites.values() if s.match is not None]
+    owners: dict[Hashable, list[int]] = {}
+    names: dict[Hashable, tuple[str, ParamView]] = {}
+    key_of: dict[tuple[int, str], Hashable] = {}
+    for index, site in enumerate(rule_sites):
+        for name in site.trainable:
+            view = views[id(site.module)].get(name) or descendants[id(site.module)][name]
+            owners.setdefault(view.key, []).append(index)
+            names.setdefault(view.key, (f"{site.path}.{name}" if site.path else name, view))
+            key_of[(id(site.module), name)] = view.key
+    clip_group_of_site = _union_groups(len(rule_sites), owners.values())
     params = {
-        key: TrainableParam(name, view.tensor, clip_group_of_layer[owners[key][0]], key, view.shape)
+        key: TrainableParam(name, view.tensor, clip_group_of_site[owners[key][0]], key, view.shape)
         for key, (name, view) in names.items()
     }
-    clip_group_names = [""] * (max(clip_group_of_layer) + 1)
-    for layer, clip_group in zip(layers, clip_group_of_layer, strict=True):
-        clip_group_names[clip_group] = clip_group_names[clip_group] or layer.path
+    clip_group_names = [""] * (max(clip_group_of_site) + 1)
+    for site, clip_group in zip(rule_sites, clip_group_of_site, strict=True):
+        clip_group_names[clip_group] = clip_group_names[clip_group] or site.path
     param_of = {where: params[key] for where, key in key_of.items()}
-    return ModelScan(layers, list(params.values()), clip_group_names, param_of)
+    return GradientPlan(sites, list(params.values()), clip_group_names, param_of, views, modules, moved)
 
 
 def _refuse_sample_mixing(model: nn.Module) -> None:
@@ -96,19 +188,8 @@ def _refuse_sample_mixing(model: nn.Module) -> None:
         )
 
 
-def _coverage_problem(path: str, module: nn.Module, match: RuleMatch | None, own: dict[str, ParamView]) -> str | None:
-    where = f"'{path or '<root>'}' ({type(module).__module__}.{type(module).__qualname__})"
-    if match is None:
-        return f"{where}: parameters {sorted(own)} have no per-sample gradient rule"
-    covered = set(own) if match.rule.params is None else set(match.rule.params)
-    if set(own) - covered:
-        return f"{where}: parameters {sorted(set(own) - covered)} are not covered by rule {match.rule.name}"
-    reason = match.rule.check(module) if match.rule.check else None
-    return f"{where}: {reason}" if reason else None
-
-
 def _union_groups(count: int, shared: Iterable[list[int]]) -> list[int]:
-    """Clipping group per layer: layers that share a parameter are one group (numbered by first layer)."""
+    """Clipping group per site: sites that share a parameter are one group (numbered by first site)."""
     parent = list(range(count))
 
     def root(i: int) -> int:

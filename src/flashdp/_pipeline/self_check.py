@@ -13,7 +13,7 @@ autograd's own per-sample gradients, taken on the very graph being clipped. It c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,40 +62,57 @@ def _powers_of_two(batch: int, generator: torch.Generator) -> Tensor:
     return weights
 
 
-def check_batch_independence(
-    loss: Tensor, calls: Sequence[Call], output_grads: Sequence[Tensor | None], rtol: float, generator: torch.Generator
-) -> None:
-    """Raise if some recorded output's gradient rows are not per-sample (see the module docstring)."""
+def batch_independence_failures(
+    loss: Tensor,
+    calls: Sequence[Call],
+    output_grads: Sequence[tuple[Tensor | None, ...]],
+    batch_dims: Sequence[int],
+    shared: Collection[tuple[int, int]],
+    rtol: float,
+    generator: torch.Generator,
+) -> list[int]:
+    """The calls (indices) some output of which has gradient rows that are not per-sample (see the module
+    docstring); outputs shared across the batch (`shared`: (call, output) indices) are not rows of samples.
+    With fewer than 2 samples there is nothing to compare, but the pass still runs (FSDP ranks must run the same
+    passes)."""
     batch = loss.shape[0]
     weights = _powers_of_two(batch, generator).to(loss.device)
     with torch.enable_grad():
         weighted_loss = (loss * weights.to(loss.dtype)).sum()
-    weighted = torch.autograd.grad(weighted_loss, [c.edge for c in calls], retain_graph=True, allow_unused=True)
-    mixed = []
-    for call, grad, weighted_grad in zip(calls, output_grads, weighted, strict=True):
-        if grad is None or weighted_grad is None or batch < 2:
-            continue
-        expected = call.grad_output(grad).double().flatten(1) * weights[:, None]
-        got = call.grad_output(weighted_grad).double().flatten(1)
-        error = (got - expected).norm(dim=1)
-        scale = expected.norm(dim=1) + got.norm(dim=1)
-        if bool((error > rtol * (scale + 1e-3 * scale.max())).any()):
-            mixed.append(call.layer.label)
-    if mixed:
-        every = len(set(mixed)) == len({c.layer.label for c in calls})
-        cause = (
-            "every layer fails, so most likely the per-sample losses mix samples (a contrastive loss over the batch, "
-            "a loss or normalisation that uses batch statistics): loss[i] must depend on sample i only"
-            if every
-            else "the batch is not the first dim of these layers' outputs (a time-major [T, B, ...] input whose T "
-            "happens to equal B, ids of shape [q_len, k_len] as in relative position biases, rows permuted inside "
-            "the forward), or samples are mixed after them"
-        )
-        raise FlashDPError(
-            "Self-check failed: the gradient of these layers' outputs is not separable by sample: "
-            f"{', '.join(dict.fromkeys(mixed))}. Row i of a layer's output must belong to sample i alone. Likely "
-            f"cause: {cause}. See docs/assumptions.md."
-        )
+    weighted = torch.autograd.grad(
+        weighted_loss, [e for c in calls for e in c.edges], retain_graph=True, allow_unused=True
+    )
+    failing, start = [], 0
+    for index, (call, grads, dim) in enumerate(zip(calls, output_grads, batch_dims, strict=True)):
+        again = weighted[start : start + len(grads)]
+        start += len(grads)
+        for j, (meta, grad, weighted_grad) in enumerate(zip(call.output_meta, grads, again, strict=True)):
+            if grad is None or weighted_grad is None or (index, j) in shared or batch < 2:
+                continue
+            # rows of sample i: row i, or rows i * k .. i * k + k - 1 of a batch folded into B * k rows
+            expected = grad.view(meta.shape).movedim(dim, 0).double().reshape(batch, -1) * weights[:, None]
+            got = weighted_grad.view(meta.shape).movedim(dim, 0).double().reshape(batch, -1)
+            error = (got - expected).norm(dim=1)
+            scale = expected.norm(dim=1) + got.norm(dim=1)
+            if bool((error > rtol * (scale + 1e-3 * scale.max())).any()):
+                failing.append(index)
+                break
+    return failing
+
+
+def batch_independence_error(failing: Sequence[str], every: Sequence[str]) -> FlashDPError:
+    cause = (
+        "every layer fails, so most likely the per-sample losses mix samples (a contrastive loss over the batch, a "
+        "loss or normalisation that uses batch statistics): loss[i] must depend on sample i only"
+        if set(failing) == set(every)
+        else "the batch is not the first dim of these layers' outputs (a time-major [T, B, ...] input whose T happens "
+        "to equal B, rows permuted inside the forward), or samples are mixed after them"
+    )
+    return FlashDPError(
+        "Self-check failed: the gradient of these layers' outputs is not separable by sample: "
+        f"{', '.join(dict.fromkeys(failing))}. Row i of a layer's output must belong to sample i alone. Likely cause: "
+        f"{cause}. See docs/assumptions.md."
+    )
 
 
 def check_per_sample(

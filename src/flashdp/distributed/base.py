@@ -24,6 +24,9 @@ class Adapter:
     #: whether the wrapper registers other parameter objects during the forward (FSDP2's unsharded ones), so that
     #: only names, not identities, of the registered parameters stay the same
     swaps_parameters = False
+    #: whether parameters are freed or replaced after the forward (FSDP), so that a rule needing their values
+    #: keeps a copy of them from the call
+    reshards_after_forward = False
 
     def __init__(self, timer: PhaseTimer) -> None:
         #: the engine's timer; collectives are timed as "communication"

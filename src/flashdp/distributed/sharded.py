@@ -22,6 +22,8 @@ class ShardedAdapter(Adapter, abc.ABC):
     unit, and full-size sums are held one unit at a time.
     """
 
+    reshards_after_forward = True
+
     def __init__(self, timer: PhaseTimer, dp_group: dist.ProcessGroup, trainable: list[set[Hashable]]) -> None:
         super().__init__(timer)
         self.dp_group = dp_group

@@ -7,12 +7,16 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from flashdp.per_sample import PerSampleGrad
+from flashdp.per_sample import LayerCall, PerSampleGrad
 
 #: `(module, inputs, grad_output, trainable) -> {param name: per-sample grad}`.
 #: inputs: the positional inputs of one forward call (batch first); grad_output: `[B, ...]` gradient of the sum
 #: of per-sample losses w.r.t. that call's output; trainable: the module's own parameter names to compute.
 PerSampleGradsFn = Callable[[nn.Module, tuple, Tensor, frozenset[str]], Mapping[str, PerSampleGrad]]
+
+#: `call -> {param name: per-sample grad}`: the form for rules that need keyword inputs, several outputs, the
+#: parameters as the call held them, or a batch dim other than 0 (`per_call=True`).
+PerCallGradsFn = Callable[[LayerCall], Mapping[str, PerSampleGrad]]
 
 #: `(module, inputs) -> output`: the forward a rule assumes, to check a module really computes it.
 ReferenceForward = Callable[[nn.Module, tuple], Tensor]
@@ -25,10 +29,16 @@ SupportCheck = Callable[[nn.Module], str | None]
 class Rule:
     """What flashdp needs of one layer type."""
 
-    per_sample_grads: PerSampleGradsFn
+    per_sample_grads: PerSampleGradsFn | PerCallGradsFn
+    #: the parameters the rule counts, by name relative to the module (descendants' too, e.g. "out_proj.weight");
+    #: None: all of the module's own parameters
     params: tuple[str, ...] | None = None
     reference_forward: ReferenceForward | None = None
     check: SupportCheck | None = None
+    #: per_sample_grads takes the whole `LayerCall`
+    per_call: bool = False
+    #: `module -> dim` of the batch in the call's inputs and output (e.g. 1 for time-major recurrent layers)
+    batch_dim: Callable[[nn.Module], int] | None = None
 
     @property
     def name(self) -> str:
@@ -58,8 +68,11 @@ def register_rule(
     params: tuple[str, ...] | None = None,
     reference_forward: ReferenceForward | None = None,
     check: SupportCheck | None = None,
+    per_call: bool = False,
+    batch_dim: Callable[[nn.Module], int] | None = None,
 ) -> None:
-    """Teach flashdp the per-sample gradients of a layer type.
+    """Teach flashdp the per-sample gradients of a layer type. (Without a rule, a module gets the generic one:
+    per-sample gradients by `torch.func`; a rule is a faster path.)
 
     Args:
         layer: a module class (subclasses match too; the most specific registration wins) or a predicate
@@ -67,11 +80,15 @@ def register_rule(
         per_sample_grads: `(module, inputs, grad_output, trainable) -> {name: grad}`. `inputs` are the call's
             positional inputs, `grad_output` the `[B, ...]` gradient w.r.t. its output; return, for each name in
             `trainable`, either the per-sample gradients `[B, *param.shape]` or a `flashdp.rules.OuterGrad`.
-        params: names of the module's own parameters the rule covers (default: all of them).
+        params: names of the parameters the rule covers, relative to the module (default: all of its own);
+            a descendant's parameter the module's forward uses directly may be listed too ("out_proj.weight").
         reference_forward: `(module, inputs) -> output`, the forward the rule assumes. Predicate-matched modules
             are checked against it on their first call (default for classes: the class's own `forward`, checked
             when a subclass overrides it).
         check: `module -> reason or None`, for configurations the rule cannot handle.
+        per_call: per_sample_grads takes one `flashdp.per_sample.LayerCall` (keyword inputs, several outputs,
+            the parameters as the call held them) instead of `(module, inputs, grad_output, trainable)`.
+        batch_dim: `module -> dim` of the batch in the call's inputs and output, when not 0 (time-major layers).
 
     Example:
         >>> def scale_grads(module, inputs, grad_output, trainable):
@@ -79,7 +96,7 @@ def register_rule(
         ...     return {"scale": (x * grad_output).flatten(1).sum(1, keepdim=True)}
         >>> flashdp.register_rule(MyScale, scale_grads)
     """
-    rule = Rule(per_sample_grads, params, reference_forward, check)
+    rule = Rule(per_sample_grads, params, reference_forward, check, per_call, batch_dim)
     if isinstance(layer, type):
         if not issubclass(layer, nn.Module):
             raise TypeError(f"register_rule: expected an nn.Module subclass or a predicate, got class {layer!r}.")

@@ -1,0 +1,151 @@
+"""Shared outputs: a layer called without the batch whose output a later op broadcasts over it (GPT-2, BERT or
+CLIP position embeddings looked up with ids `[1, T]`, Whisper's decoder positions `[T, d]`, T5's relative
+attention bias `[q_len, k_len, heads]`) gets exact per-sample gradients, with no change to the model's code.
+
+Autograd only sees such an output's gradient summed over the samples. Each sample's own gradient is the vjp,
+with that sample's rows of the cotangent alone, through the *frontier*: the first ops on the way to the loss
+whose output carries the batch that the shared tensor does not (told apart by shape: the shared tensor lacks the
+batch dim or has it at size 1). The norm pass runs with a pre-hook on each frontier node that takes the gradient
+flowing in, `[B, ...]`, and turns it into `[B, *shared shape]`: for an addition directly on the shared tensor by
+summing each sample's rows; for any other op by one small vjp per sample through the op and the shape ops below
+it. The layer's rule then sees B copies of its inputs, each with its own output gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, Node
+
+#: how far above a shared output its frontier may be (shape ops and the like in between)
+MAX_DEPTH = 16
+_ADDITIONS = {"AddBackward0": 1.0, "SubBackward0": -1.0}
+
+
+@dataclass
+class SharedOutput:
+    """One output of one call, shared across the batch, and its per-sample gradient once the norm pass ran."""
+
+    edge: GradientEdge
+    shape: torch.Size
+    #: (frontier node, the index of its forward output that carries the batch)
+    frontiers: list[tuple[Node, int]]
+    per_sample: Tensor | None = field(default=None, repr=False)
+
+
+def parents(loss: Tensor) -> dict[Node, list[tuple[Node, int]]]:
+    """Every node reachable from the loss, with the nodes that consume it and at which next_functions slot."""
+    out: dict[Node, list[tuple[Node, int]]] = {}
+    seen: set[Node] = set()
+    pending = [loss.grad_fn] if loss.grad_fn is not None else []
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for slot, (child, _) in enumerate(node.next_functions):
+            if child is not None:
+                out.setdefault(child, []).append((node, slot))
+                pending.append(child)
+    return out
+
+
+def frontiers(edge: GradientEdge, graph: dict[Node, list[tuple[Node, int]]], batch: int) -> list[tuple[Node, int]]:
+    """Where the batch first appears above a shared tensor, on every path to the loss; [] if it does not reach the
+    loss or some path gets there without meeting the batch (then it is not shared but mis-shaped)."""
+    found: list[tuple[Node, int]] = []
+    pending = [(edge.node, edge.output_nr, 0)]
+    seen: set[tuple[Node, int]] = set()
+    while pending:
+        node, output_nr, depth = pending.pop()
+        if (node, output_nr) in seen:
+            continue
+        seen.add((node, output_nr))
+        ours = node._input_metadata[output_nr].shape
+        consumers = [(p, s) for p, s in graph.get(node, ()) if p.next_functions[s][1] == output_nr]
+        if not consumers or depth >= MAX_DEPTH:
+            return []  # the loss itself, or too far up
+        for consumer, _ in consumers:
+            carrying = [j for j, m in enumerate(consumer._input_metadata) if _introduces_batch(ours, m.shape, batch)]
+            if carrying:
+                found.append((consumer, carrying[0]))
+            else:
+                pending += [(consumer, j, depth + 1) for j in range(len(consumer._input_metadata))]
+    return list(dict.fromkeys(found))
+
+
+def _introduces_batch(ours: torch.Size, theirs: torch.Size, batch: int) -> bool:
+    """Whether `theirs` is `ours` broadcast to the batch: aligned to the right, every dim of ours equal to theirs
+    or 1, and theirs' dim 0 the batch where ours has no dim or one of size 1. (A reshape of B * T rows into
+    [B, T] is no broadcast: its dims do not align.)"""
+    if len(theirs) == 0 or theirs[0] != batch or len(ours) > len(theirs):
+        return False
+    aligned = theirs[len(theirs) - len(ours) :]
+    if any(o not in (1, t) for o, t in zip(ours, aligned, strict=True)):
+        return False
+    return len(ours) < len(theirs) or ours[0] == 1
+
+
+@contextlib.contextmanager
+def per_sample_gradients(shared: list[SharedOutput], batch: int) -> Iterator[None]:
+    """While active (around the norm pass), fill each shared output's `per_sample` `[B, *shape]`."""
+    busy = [False]  # the vjps below re-enter autograd through the same frontier nodes
+    handles = []
+    for output in shared:
+        output.per_sample = None
+        for node, output_nr in output.frontiers:
+
+            def hook(grad_outputs, output=output, node=node, output_nr=output_nr):
+                if busy[0] or grad_outputs[output_nr] is None:
+                    return
+                busy[0] = True
+                try:
+                    part = _through(node, output_nr, grad_outputs[output_nr], output, batch)
+                    output.per_sample = part if output.per_sample is None else output.per_sample + part
+                finally:
+                    busy[0] = False
+
+            handles.append(node.register_prehook(hook))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _through(node: Node, output_nr: int, grad: Tensor, output: SharedOutput, batch: int) -> Tensor:
+    """`[B, *shape]`: each sample's part of `grad` (the frontier's output gradient) taken back to the shared
+    tensor."""
+    sign = _ADDITIONS.get(node.name())
+    slots = [s for s, child in enumerate(node.next_functions) if child == (output.edge.node, output.edge.output_nr)]
+    if sign is not None and slots:  # an addition on the shared tensor itself: its gradient is the sum of rows
+        alpha = float(getattr(node, "_saved_alpha", 1.0))
+        scale = sum(1.0 if slot == 0 else sign * alpha for slot in slots)
+        return scale * _sum_to(grad, output.shape, batch)
+    out = []
+    cotangent = torch.zeros_like(grad)
+    for i in range(batch):
+        cotangent[i] = grad[i]
+        (part,) = torch.autograd.grad(
+            [GradientEdge(node, output_nr)], [output.edge], grad_outputs=[cotangent], retain_graph=True
+        )
+        cotangent[i] = 0
+        out.append(part)
+    return torch.stack(out)
+
+
+def _sum_to(grad: Tensor, shape: torch.Size, batch: int) -> Tensor:
+    """`[B, *shape]`: per sample, `grad[i]` summed over the dims broadcasting added (aligned to the right)."""
+    target = shape[1:] if len(shape) == grad.dim() else shape  # the shared tensor's dims past the batch's place
+    rows = grad
+    lead = rows.dim() - 1 - len(target)
+    if lead > 0:
+        rows = rows.sum(tuple(range(1, 1 + lead)))
+    dims = tuple(1 + d for d, size in enumerate(target) if size == 1 and rows.shape[1 + d] != 1)
+    if dims:
+        rows = rows.sum(dims, keepdim=True)
+    return rows.reshape(batch, *shape)

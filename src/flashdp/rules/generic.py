@@ -1,0 +1,125 @@
+"""The generic rule: per-sample gradients of any module's parameters by `torch.func`, for modules without a rule of
+their own, raw parameters on containers, and parameters a module's forward uses outside the layer that owns them.
+
+For each sample i: the vjp of `functional_call(module, params, inputs_i)` against the gradient of the call's
+outputs, where inputs_i is sample i's slice of every input whose dim 0 is the batch (kept as a batch of 1, so the
+module's code sees the shapes it expects) and every other input is shared; vmapped over the batch. The outputs it
+recomputes must equal the recorded ones (else the forward is random, stateful or not batch-first: refused).
+
+Cost: one more forward and backward of the module, batched, and the per-sample gradients of the parameters it
+counts, `[B, *shape]` each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from flashdp.errors import FlashDPError
+from flashdp.per_sample import LayerCall, OutputMeta, accumulation_dtype
+from flashdp.rules.registry import Rule
+
+#: Relative error allowed between the recorded outputs and their per-sample recomputation (which rounds
+#: differently: a batch of 1 per sample).
+_RECOMPUTE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+def generic_grads(call: LayerCall) -> dict[str, Tensor]:
+    """`{name: [B, *shape]}` for every parameter in `call.params`."""
+    batch, rows = call.batch_size, call.rows_per_sample
+    leaves, spec = tree_flatten((call.args, call.kwargs))
+    leaves = [x.detach() if isinstance(x, Tensor) else x for x in leaves]
+    batched = [i for i, x in enumerate(leaves) if _has_batch(x, batch * rows)]
+    params = {name: p.detach() for name, p in call.params.items()}
+    shared = call.shared or (False,) * len(call.output_meta)
+    cotangents = tuple(
+        _cotangent(meta, grad, is_shared, call)
+        for meta, grad, is_shared in zip(call.output_meta, call.grad_outputs, shared, strict=True)
+    )
+    output_slots = tuple(meta.slot for meta in call.output_meta)
+
+    def one_sample(sample_inputs: tuple[Tensor, ...], sample_cotangents: tuple[Tensor, ...]):
+        inputs = list(leaves)
+        for i, x in zip(batched, sample_inputs, strict=True):
+            inputs[i] = x  # its rows: a batch of 1, or the k rows of a batch folded into rows
+        args, kwargs = tree_unflatten(inputs, spec)
+
+        def outputs_of(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
+            out = functional_call(call.module, {**call.frozen, **p}, args, kwargs)
+            out = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+            return tuple(out[slot] for slot in output_slots)
+
+        outputs, pullback = vjp(outputs_of, params)
+        (grads,) = pullback(sample_cotangents)
+        return grads, outputs
+
+    per_sample_inputs = tuple(_by_sample(leaves[i], batch) for i in batched)
+    try:
+        with _autocast(call.autocast), torch.enable_grad():
+            grads, outputs = vmap(one_sample, randomness="different")(per_sample_inputs, cotangents)
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        raise FlashDPError(
+            f"The generic rule cannot compute per-sample gradients for {call.label}: torch.func.vmap cannot run its "
+            f"forward one sample at a time ({type(error).__name__}: {str(error).splitlines()[0][:300]}). This "
+            "happens with data-dependent control flow (a branch or a shape that depends on values). Freeze its "
+            "parameters, or register a rule for its type with flashdp.register_rule(...)."
+        ) from error
+    _check_recomputed(call, outputs)
+    return {name: g.to(accumulation_dtype(g)) for name, g in grads.items()}
+
+
+def _has_batch(x: object, batch: int) -> bool:
+    return isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == batch
+
+
+def _by_sample(x: Tensor, batch: int) -> Tensor:
+    """`[B, k, ...]`: the batch's rows grouped by sample (k = 1 for a plain batch: a batch of 1 per sample)."""
+    return x.reshape(batch, x.shape[0] // batch, *x.shape[1:])
+
+
+def _cotangent(meta: OutputMeta, grad: Tensor | None, shared: bool, call: LayerCall) -> Tensor:
+    """`[B, ...]`: a batch output's gradient grouped by sample, or a shared output's per-sample gradient."""
+    if grad is None:
+        device = next(g for g in call.grad_outputs if g is not None).device
+        grad = torch.zeros((call.batch_size, *meta.shape) if shared else meta.shape, dtype=meta.dtype, device=device)
+    return grad if shared else _by_sample(grad.view(meta.shape), call.batch_size)
+
+
+def _autocast(state: tuple[str, torch.dtype] | None) -> contextlib.AbstractContextManager:
+    if state is None:
+        return contextlib.nullcontext()
+    device_type, dtype = state
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def _check_recomputed(call: LayerCall, outputs: tuple[Tensor, ...]) -> None:
+    shared = call.shared or (False,) * len(call.outputs)
+    for recorded, again, is_shared in zip(call.outputs, outputs, shared, strict=True):
+        if recorded is None:  # not kept (a module first recorded only as an enclosing scope)
+            continue
+        # every sample recomputes the same shared output; batch outputs come back grouped by sample
+        again = again[0] if is_shared else again.reshape(recorded.shape)
+        if recorded.shape != again.shape:
+            raise FlashDPError(
+                f"The generic rule recomputed {call.label}'s output one sample at a time and got shape "
+                f"{tuple(again.shape)}, not the recorded {tuple(recorded.shape)}: its batch is not dim 0 of every "
+                "input and output. Register a rule for its type with flashdp.register_rule(...)."
+            )
+        tolerance = _RECOMPUTE_TOLERANCE.get(recorded.dtype, 3e-2)
+        scale = recorded.detach().double().norm().clamp_min(1e-30)
+        error = (again.double() - recorded.detach().double()).norm() / scale
+        if not bool(error <= tolerance):
+            raise FlashDPError(
+                f"The generic rule recomputed {call.label}'s output one sample at a time and got another result "
+                f"(relative difference {float(error):.2g}): its forward is random (dropout in training mode), "
+                "keeps state between calls, or mixes samples. Make it deterministic (eval(), or dropout 0), or "
+                "freeze its parameters."
+            )
+
+
+#: the rule of every module without one of its own (and of promotion targets)
+GENERIC = Rule(generic_grads, per_call=True)

@@ -39,7 +39,7 @@ def module_groups(names: list[str]) -> dict[str, str]:
 
 def clip(per_sample: dict[str, Tensor], style: str, c: float, groups: dict[str, str] | None = None):
     """(norms [B], {name: sum_i c_i g_i}) for the clipping styles of DESIGN.md."""
-    flat = torch.cat([g.flatten(1) for g in per_sample.values()], dim=1)
+    flat = torch.cat([_rows(g) for g in per_sample.values()], dim=1)
     norms = flat.norm(dim=1)
     if style == "flat":
         coef = {n: torch.clamp(c / (norms + 1e-6), max=1.0) for n in per_sample}
@@ -53,7 +53,7 @@ def clip(per_sample: dict[str, Tensor], style: str, c: float, groups: dict[str, 
         budget = c / len(names_of) ** 0.5
         coef = {}
         for members in names_of.values():
-            group_norm = torch.cat([per_sample[n].flatten(1) for n in members], dim=1).norm(dim=1)
+            group_norm = torch.cat([_rows(per_sample[n]) for n in members], dim=1).norm(dim=1)
             for n in members:
                 coef[n] = torch.clamp(budget / (group_norm + 1e-6), max=1.0)
     sums = {n: torch.einsum("b,b...->...", coef[n], g) for n, g in per_sample.items()}
@@ -82,7 +82,7 @@ def check_against_oracle(
     The engine's self-check runs (it must pass on every correct model), unless a test counts kernel launches.
     """
     expected_ps = per_sample_grads(model, loss_of, batch)
-    all_norms = torch.cat([g.flatten(1) for g in expected_ps.values()], 1).norm(dim=1)
+    all_norms = torch.cat([_rows(g) for g in expected_ps.values()], 1).norm(dim=1)
     c = max_grad_norm if max_grad_norm is not None else max(0.7 * float(all_norms.median()) if batch else 1.0, 1e-3)
     expected_norms, expected_sums = clip(expected_ps, clipping, c)
     model.zero_grad(set_to_none=True)
@@ -115,3 +115,8 @@ def materialised(block: OuterGrad) -> Tensor:
     if isinstance(left, TokenRows):
         left = torch.nn.functional.one_hot(left.ids, left.num_rows).double()
     return torch.einsum("ntp,ntd->npd", left.double(), block.right.double())
+
+
+def _rows(g: Tensor) -> Tensor:
+    """`[B, *shape]` -> `[B, numel]` (also for B = 0 and scalar parameters)."""
+    return g.reshape(g.shape[0], g.shape[1:].numel())

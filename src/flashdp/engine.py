@@ -141,9 +141,10 @@ class DPEngine:
         checking = self._self_check_due()
         structure = tuple(id(call.module) for call in calls)
         new_structure = structure not in self._structures
-        if (checking or new_structure) and self._cover(loss, calls):
-            checking = self._self_check_enabled  # a new plan is checked at once
-        self._structures.add(structure)
+        if checking or new_structure:
+            if self._cover(loss, calls, batch):
+                checking = self._self_check_enabled  # a new plan is checked at once
+            self._structures.add(structure)
         plan = self._plan
         calls = [c for c in calls if plan.site(c.module).match]  # the rule sites' calls (scopes only enclose)
         if not calls:
@@ -201,21 +202,30 @@ class DPEngine:
         self._provenance.record(self._adapter.accumulated_gradients(plan.params))
         return clip_norms_sq.sum(0).sqrt().float()
 
-    def _cover(self, loss: Tensor, calls: list[Call]) -> bool:
-        """Make every trainable parameter's use counted: parameters used outside the site counting them move to
-        the generic rule at the smallest module enclosing their uses. Whether the plan changed."""
+    def _cover(self, loss: Tensor, calls: list[Call], batch: int) -> bool:
+        """Make every trainable parameter's use counted: parameters used outside the site counting them, and those
+        of layers whose outputs are neither batch-first nor broadcast over the batch, move to the generic rule at
+        the smallest module enclosing their uses. Whether the plan changed."""
         changed = False
         for _ in range(len(self._plan.params) + 1):  # each round moves at least one parameter up the tree
-            uses = coverage.uncovered_uses(loss, calls, self._plan, self.model.named_parameters())
-            if not uses:
+            found = coverage.walk(loss, calls, self._plan, self.model.named_parameters())
+            misfits = self._misfits(loss, calls, batch, found.enclosing) if not found.uses else []
+            if not found.uses and not misfits:
                 return changed
-            targets = coverage.promotions(uses, calls, self._plan)
+            uses = found.uses
+            targets = (
+                coverage.promotions(uses, calls, self._plan)
+                if uses
+                else coverage.layout_promotions(misfits, calls, self._plan, found.enclosing, batch)
+            )
             if self._adapter.reshards_after_forward:
+                names = sorted(use.param.name for use in uses)
                 raise FlashDPError(
-                    f"Under FSDP, flashdp counts a parameter used outside its own module only by a rule registered "
-                    f"for the module whose forward uses it; these would need the generic rule there: "
-                    f"{', '.join(sorted(use.param.name for use in uses))}. Tie weights by sharing the Parameter "
-                    "between layers, call layers rather than reading their weights, or register a rule."
+                    "Under FSDP, flashdp counts a parameter used outside its own module (or a layer whose output is "
+                    "neither batch-first nor broadcast) only by a rule registered for the module that encloses its "
+                    f"uses; these would need the generic rule there: {', '.join(names) or 'see the layers above'}. "
+                    "Tie weights by sharing the Parameter between layers, call layers rather than reading their "
+                    "weights, or register a rule."
                 )
             plan = self._plan
             for module, keys in targets.items():
@@ -223,8 +233,26 @@ class DPEngine:
             self._recorder.plan = plan
             self._structures.clear()
             changed = True
-        coverage.refuse(coverage.uncovered_uses(loss, calls, self._plan, self.model.named_parameters()))
+        coverage.refuse(coverage.walk(loss, calls, self._plan, self.model.named_parameters()).uses)
         return changed
+
+    def _misfits(self, loss: Tensor, calls: list[Call], batch: int, entered: dict[int, tuple[int, ...]]) -> list[int]:
+        """Rule site calls with an output that reaches the loss, has no batch dim (B * k rows are a batch) and is
+        not broadcast over the batch by a later op."""
+        lacking = {
+            i: [e for e, m in zip(call.edges, call.output_meta, strict=True) if _lacks_batch(m.shape, dim, batch)]
+            for i, call in enumerate(calls)
+            if i in entered and batch > 1 and self._plan.site(call.module).match is not None
+            for dim in [self._batch_dim(call)]
+        }
+        if not any(lacking.values()):
+            return []
+        graph = broadcast.parents(loss)
+        return [
+            i
+            for i, edges in lacking.items()
+            if any(e.node in graph and not broadcast.frontiers(e, graph, batch) for e in edges)
+        ]
 
     def _norms(
         self, grads: list[tuple[TrainableParam, ParamGradient]], keep_for_sum: bool
@@ -322,7 +350,7 @@ class DPEngine:
                 "engine.backward() was already called on this forward's loss: each forward is clipped once. Run a "
                 "new forward for the next backward."
             )
-        coverage.refuse(coverage.uncovered_uses(loss, [], self._plan, self.model.named_parameters()))
+        coverage.refuse(coverage.walk(loss, [], self._plan, self.model.named_parameters()).uses)
         return FlashDPError(
             "engine.backward() found no forward pass to clip since the last backward: run the model's forward with "
             "gradients enabled (not under torch.no_grad()) after make_private and before backward, once per "
@@ -431,7 +459,8 @@ class DPEngine:
 
 
 def _lacks_batch(shape: torch.Size, dim: int, batch: int) -> bool:
-    return len(shape) <= dim or shape[dim] != batch
+    """No batch dim: the size there is neither B nor B * k rows (k per sample)."""
+    return len(shape) <= dim or shape[dim] % batch != 0
 
 
 def _detach(recorder: Recorder, provenance: GradientProvenance, adapter: Adapter, modules: list[nn.Module]) -> None:

@@ -10,6 +10,7 @@ from torch import nn
 import flashdp
 from flashdp import FlashDPError
 from flashdp._pipeline import blocks
+from tests.oracle import check_against_oracle
 from tests.strategies import per_sample_loss
 
 NOT_SEPARABLE = "Self-check failed: the gradient of these layers' outputs is not separable by sample"
@@ -61,10 +62,12 @@ def test_a_time_major_layer_with_t_equal_to_b_is_caught():
         engine.backward(per_sample_loss(model(torch.randn(4, 4, 3))))
 
 
-def test_a_time_major_layer_with_t_other_than_b_is_a_batch_mismatch():
-    model = TimeMajor()
-    with _engine(model) as engine, pytest.raises(FlashDPError, match=r"layer 'inner' \(Linear\) was called on"):
-        engine.backward(per_sample_loss(model(torch.randn(4, 5, 3))))
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_time_major_layer_with_t_other_than_b_is_counted_by_its_enclosing_module(mode):
+    """Its output [T, B, d] is neither batch-first nor shared, so its parameters go to the enclosing module."""
+    model = TimeMajor().double()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    check_against_oracle(model, lambda s: model(x[s]).square().sum((1, 2)), 4, mode=mode)
 
 
 def test_rows_permuted_inside_the_forward_are_caught():

@@ -80,3 +80,17 @@ def clipped_sum_per_sample(per_sample: Tensor, coef: Tensor, conv_groups: int) -
     n, p, d = per_sample.shape
     batch = n // conv_groups
     return (coef.to(per_sample.dtype) @ per_sample.reshape(batch, conv_groups * p * d)).view(conv_groups, p, d)
+
+
+def materialise(block: OuterGrad, batch: int) -> Tensor:
+    """`[B, groups * p, d]` per-sample gradients of a block, explicitly (for a sum with a materialised one)."""
+    dtype = accumulation_dtype(block.right)
+    n, _, d = block.right.shape
+    if isinstance(block.left, TokenRows):
+        ids, rows = block.left.ids, block.left.num_rows
+        flat = (torch.arange(n, device=ids.device)[:, None] * rows + ids).flatten()
+        out = block.right.new_zeros(n * rows, d, dtype=dtype)
+        out.index_add_(0, flat, block.right.reshape(-1, d).to(dtype))
+        return out.view(batch, -1, d)
+    grads = torch.bmm(block.left.to(dtype).transpose(1, 2), block.right.to(dtype))  # [B * g, p, d]
+    return grads.reshape(batch, -1, d)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 from torch.autograd.graph import Node, get_gradient_edge
 
+from flashdp._pipeline.norm_pass import batch_mismatch_error
 from flashdp._pipeline.recorder import Call
 from flashdp._pipeline.scan import GradientPlan
 from flashdp.errors import FlashDPError
@@ -52,10 +53,17 @@ class Use:
     inside: tuple[int, ...]
 
 
-def uncovered_uses(
-    loss: Tensor, calls: Sequence[Call], plan: GradientPlan, registered: Iterable[tuple[str, Tensor]]
-) -> list[Use]:
-    """Every use of a trainable parameter that no site counting it encloses (one per parameter, op and path).
+@dataclass(frozen=True)
+class Walk:
+    #: every use of a trainable parameter no site counting it encloses
+    uses: list[Use]
+    #: per call (index), the calls enclosing it where the walk entered it, outermost first
+    enclosing: dict[int, tuple[int, ...]]
+
+
+def walk(loss: Tensor, calls: Sequence[Call], plan: GradientPlan, registered: Iterable[tuple[str, Tensor]]) -> Walk:
+    """Every use of a trainable parameter that no site counting it encloses (one per parameter, op and path), and
+    how the calls nest.
 
     registered: the model's `named_parameters()` (a wrapper's flat parameters among them)."""
     param_nodes = _param_nodes(plan, calls, registered)
@@ -67,7 +75,7 @@ def uncovered_uses(
     counted = [_counted_nodes(plan, call) for call in calls]
     generic = [plan.site(call.module).is_generic for call in calls]
     uses: dict[tuple[str, str, tuple[int, ...]], Use] = {}
-    entered: set[int] = set()
+    entered: dict[int, tuple[int, ...]] = {}
     seen: set[tuple[Node, tuple[int, ...]]] = set()
     pending: list[tuple[Node, tuple[int, ...], str]] = [(loss.grad_fn, (), "the loss")] if loss.grad_fn else []
     while pending:
@@ -76,7 +84,7 @@ def uncovered_uses(
             continue
         seen.add((node, inside))
         for i in reversed(output_calls.get(node, ())):  # entering calls here, outermost (recorded last) first
-            entered.add(i)
+            entered.setdefault(i, inside)
             if i not in inside:
                 inside = (*inside, i)
         param = param_nodes.get(node)
@@ -97,7 +105,7 @@ def uncovered_uses(
                 pending.append((child, _leave(inside, boundaries, (child, output_nr)), node.name()))
     if uses:
         _refuse_hidden_outputs(plan, [c for i, c in enumerate(calls) if i not in entered])
-    return list(uses.values())
+    return Walk(list(uses.values()), entered)
 
 
 def _covered(node: Node, inside: tuple[int, ...], counted: list[set[Node]], generic: list[bool]) -> bool:
@@ -153,6 +161,40 @@ def _leave(inside: tuple[int, ...], boundaries: list[set[tuple[Node, int]]], edg
         if edge in boundaries[i]:
             return inside[:depth]
     return inside
+
+
+def layout_promotions(
+    misfits: Iterable[int], calls: Sequence[Call], plan: GradientPlan, enclosing: dict[int, tuple[int, ...]], batch: int
+) -> dict[nn.Module, list[Hashable]]:
+    """Per call whose output is neither batch-first nor broadcast over the batch (DeBERTa's relative position
+    projections, repeated over the batch and heads), the smallest enclosing module whose own outputs are
+    batch-first: the generic rule there counts the call's parameters, per sample. Raises where none is."""
+    targets: dict[nn.Module, list[Hashable]] = {}
+    for i in misfits:
+        site = plan.site(calls[i].module)
+        outer = [
+            calls[j]
+            for j in reversed(enclosing.get(i, ()))
+            if _ancestor(plan.site(calls[j].module).path, site.path)
+            and all(m.shape and m.shape[0] % batch == 0 for m in calls[j].output_meta)
+        ]
+        if not outer:
+            outermost = calls[enclosing[i][0]] if enclosing.get(i) else calls[i]
+            if all(not m.shape or m.shape[0] % batch for m in outermost.output_meta):
+                size = next((m.shape[0] for m in calls[i].output_meta if m.shape), 0)
+                raise batch_mismatch_error(site.label, size, batch)  # the loss's batch is wrong
+            raise FlashDPError(
+                f"Layer {site.label} gives an output without the batch as its first dim, which no later op "
+                "broadcasts over the batch and no enclosing module's forward takes back to batch-first outputs: "
+                "its per-sample gradients cannot be computed. Freeze its parameters, or register a rule."
+            )
+        keys = [plan.param_of[(id(calls[i].module), n)].key for n in site.trainable]
+        targets.setdefault(outer[0].module, []).extend(keys)
+    return targets
+
+
+def _ancestor(path: str, of: str) -> bool:
+    return path == "" or of.startswith(f"{path}.")
 
 
 def promotions(uses: list[Use], calls: Sequence[Call], plan: GradientPlan) -> dict[nn.Module, list[Hashable]]:

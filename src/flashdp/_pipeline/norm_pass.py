@@ -107,9 +107,9 @@ def _run_rule(
     rows = _rows_per_sample(call, site, batch, shared)
     if not rule.per_call:
         inputs, shape = call.inputs, call.output_meta[0].shape
-        grad_output = grads[0].view(shape)
+        grad_output = grads[0].view(shape) * site.match.output_scale
         if 0 in shared:
-            grad_output, inputs = _as_batch(shared[0], shape, inputs, batch)
+            grad_output, inputs = _as_batch(shared[0] * site.match.output_scale, shape, inputs, batch)
         elif rows > 1:  # B * k rows: as [B, k, ...]
             grad_output, inputs = _unfold_rows(grad_output, batch), tuple(_unfold_rows(x, batch) for x in inputs)
         return rule.per_sample_grads(call.module, inputs, grad_output, frozenset(site.trainable))
@@ -173,8 +173,12 @@ def _check_batch(site: Site, size: int, batch: int) -> None:
             "each sample's own input (for HF models: position_ids=torch.arange(T).expand(B, T)) or freeze it."
         )
     if batch and size % batch:  # (B * k rows, k per sample, are a batch folded into rows: checked as rows)
-        raise FlashDPError(
-            f"Batch size mismatch: the loss has {batch} per-sample values, but layer {site.label} was "
-            f"called on a batch of {size} (its output's first dim). flashdp needs the batch as "
-            "the first dim of every layer's input and output (or B * k rows, k per sample), and one loss per sample."
-        )
+        raise batch_mismatch_error(site.label, size, batch)
+
+
+def batch_mismatch_error(label: str, size: int, batch: int) -> FlashDPError:
+    return FlashDPError(
+        f"Batch size mismatch: the loss has {batch} per-sample values, but layer {label} was called on a batch "
+        f"of {size} (its output's first dim). flashdp needs the batch as the first dim of every layer's input and "
+        "output (or B * k rows, k per sample), and one loss per sample."
+    )

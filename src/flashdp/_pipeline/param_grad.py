@@ -35,7 +35,8 @@ class ClippedSumPlan:
         """`sum_b coef_b g_b`, shaped like the parameter. coef: `[B]`."""
         parts = []
         if self.per_sample is not None:
-            parts.append(coef.to(self.per_sample.dtype) @ self.per_sample.flatten(1))  # a GEMV, not a bmm
+            rows = self.per_sample.reshape(len(coef), self.shape.numel())
+            parts.append(coef.to(rows.dtype) @ rows)  # a GEMV, not a bmm
         if self.factors is not None:
             f = self.factors
             parts.append(kernels.clipped_sum(f.left, f.right, coef, f.conv_groups))
@@ -101,11 +102,11 @@ class ParamGradient:
 
     def norm_sq(self, keep_for_sum: bool) -> ParamNorm:
         """The `[B]` squared norms, and with `keep_for_sum` the plan of the clipped sum."""
-        if self.per_sample is not None and self.blocks:
-            raise FlashDPError(
-                f"'{self.name}' is shared by layers of different kinds (a factored and a materialised per-sample "
-                "gradient); flashdp cannot combine them exactly. Untie the parameter or freeze it."
+        if self.per_sample is not None and self.blocks:  # a tied parameter, one of its layers materialising
+            self.per_sample = self.per_sample + sum(
+                blocks.materialise(b, self.batch_size).view(self.per_sample.shape) for b in self.blocks
             )
+            self.blocks = []
         if self.per_sample is not None:
             plan = ClippedSumPlan(self.shape, per_sample=self.per_sample) if keep_for_sum else None
             return ParamNorm(sum_of_squares(self.per_sample), "generic" if self.generic else "per-sample", plan)

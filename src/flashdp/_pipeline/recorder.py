@@ -4,6 +4,7 @@ outputs and the parameters its rule counts, as the module held them during the c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -100,8 +101,10 @@ class Recorder:
         slots = _distinct_slots(leaves)
         if site.match is not None and site.match.verify_with is not None and id(module) not in self._verified:
             self._verified.add(id(module))
-            if _differs_from_its_rule(site, args or tuple(kwargs.values()), output):
-                site = self._to_generic(site)
+            scale = _scale_of_its_rule(site, args or tuple(kwargs.values()), output)
+            # a module that does not compute what its registered rule assumes gets the generic rule instead
+            self.plan = self.plan.with_generic(module) if scale is None else self.plan.with_scale(module, scale)
+            site = self.plan.site(module)
         if site.match is not None and not site.match.rule.per_call:
             _check_single_output(site, output)
         if not slots:
@@ -130,12 +133,6 @@ class Recorder:
                 autocast=_autocast_state(outputs[0].device.type),
             )
         )
-
-    def _to_generic(self, site: Site) -> Site:
-        """A module that does not compute what its registered rule assumes gets the generic rule instead."""
-        keys = [self.plan.param_of[(id(site.module), name)].key for name in site.trainable]
-        self.plan = self.plan.promote(site.module, keys)
-        return self.plan.site(site.module)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -224,15 +221,21 @@ def _reshape_base(output: Tensor) -> Tensor:
 
 
 @torch.no_grad()  # entirely: inside a checkpointed region, a saved tensor would break the recomputation
-def _differs_from_its_rule(site: Site, inputs: tuple, output: Tensor) -> bool:
-    """Whether a module matched by duck typing, or overriding its class's forward, computes something else than
-    its rule assumes (checked on its first call, while its parameters are as the call saw them)."""
+def _scale_of_its_rule(site: Site, inputs: tuple, output: object) -> float | None:
+    """For a module matched by duck typing, or overriding its class's forward: the constant c with output =
+    c * (its rule's forward) (1 when it computes exactly that; e.g. sqrt(d) for Gemma's scaled embedding), or
+    None when it computes something else. Checked on its first call, while its parameters are as the call saw
+    them."""
     try:
         expected = site.match.verify_with(site.module, inputs)
     except Exception:  # a forward with another signature or input type: not the rule's function
-        return True
+        return None
     if not isinstance(output, Tensor) or not isinstance(expected, Tensor) or expected.shape != output.shape:
-        return True
+        return None
+    out, ref = output.double(), expected.double()
+    scale = float((out * ref).sum() / (ref * ref).sum().clamp_min(1e-300))
     tolerance = _FORWARD_CHECK_TOLERANCE.get(output.dtype, 3e-2)
-    error = (expected.double() - output.double()).norm() / output.double().norm().clamp_min(1e-30)
-    return not bool(error <= tolerance)
+    error = (out - scale * ref).norm() / out.norm().clamp_min(1e-30)
+    if not (bool(error <= tolerance) and scale != 0 and math.isfinite(scale)):
+        return None
+    return 1.0 if abs(scale - 1) <= tolerance else scale

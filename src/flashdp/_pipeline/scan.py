@@ -61,6 +61,10 @@ class GradientPlan:
     views: dict[int, dict[str, ParamView]] = field(repr=False)
     all_sites: list[Site] = field(repr=False)
     moved: dict[Hashable, int] = field(default_factory=dict, repr=False)
+    #: modules whose registered rule does not fit their forward: the generic rule counts their own parameters
+    forced: frozenset[int] = frozenset()
+    #: modules whose forward is a constant multiple of their registered rule's (checked on their first call)
+    scales: dict[int, float] = field(default_factory=dict)
 
     @property
     def rule_sites(self) -> list[Site]:
@@ -75,7 +79,19 @@ class GradientPlan:
         """The plan with these parameters (of `module` or its descendants) counted by the generic rule at `module`,
         with its own parameters."""
         moved = dict(self.moved) | dict.fromkeys(keys, id(module))
-        return _plan([Site(s.path, s.module) for s in self.all_sites], self.views, moved)
+        return _plan([Site(s.path, s.module) for s in self.all_sites], self.views, moved, self.forced, self.scales)
+
+    def with_generic(self, module: nn.Module) -> GradientPlan:
+        """The plan with `module`'s own parameters counted by the generic rule instead of its registered one (a
+        parameter it shares with other modules stays counted by them too, each for its own calls)."""
+        sites = [Site(s.path, s.module) for s in self.all_sites]
+        return _plan(sites, self.views, self.moved, self.forced | {id(module)}, self.scales)
+
+    def with_scale(self, module: nn.Module, scale: float) -> GradientPlan:
+        """The plan with `module`'s registered rule applied to `scale` times its output gradient (its forward
+        computes that multiple of the rule's)."""
+        sites = [Site(s.path, s.module) for s in self.all_sites]
+        return _plan(sites, self.views, self.moved, self.forced, self.scales | {id(module): scale})
 
 
 def scan_model(model: nn.Module, param_views: ParamViews = local_param_views) -> GradientPlan:
@@ -87,13 +103,20 @@ def scan_model(model: nn.Module, param_views: ParamViews = local_param_views) ->
         raise FlashDPError(
             "The model has no trainable parameters (none with requires_grad=True): nothing to train privately."
         )
-    return _plan([Site(path, m) for path, m in modules], views, {})
+    return _plan([Site(path, m) for path, m in modules], views, {}, frozenset(), {})
 
 
-def _plan(modules: list[Site], views: dict[int, dict[str, ParamView]], moved: dict[Hashable, int]) -> GradientPlan:
-    """Assign every trainable parameter to one rule site; hook the ancestors of rule sites as scopes.
+def _plan(
+    modules: list[Site],
+    views: dict[int, dict[str, ParamView]],
+    moved: dict[Hashable, int],
+    forced: frozenset[int],
+    scales: dict[int, float],
+) -> GradientPlan:
+    """Assign every trainable parameter to rule sites; hook the ancestors of rule sites as scopes.
 
-    moved: parameter key -> id of the module whose generic rule counts it (promoted there).
+    moved: parameter key -> id of the module whose generic rule counts it (promoted there); forced: modules that
+    get the generic rule for their own parameters; scales: modules whose rule sees a scaled output gradient.
     """
     by_id = {id(s.module): s for s in modules}
     descendants = {id(s.module): _descendant_views(s, by_id, views) for s in modules}
@@ -107,14 +130,16 @@ def _plan(modules: list[Site], views: dict[int, dict[str, ParamView]], moved: di
         # for the calls it makes), unless a rule higher up counts them or they were moved elsewhere
         own = [n for n, v in views[here].items() if v.key not in taken and moved.get(v.key, here) == here]
         below = descendants[here]
-        match = None if here in moved.values() else find_rule(site.module)
+        match = None if here in moved.values() or here in forced else find_rule(site.module)
+        if match is not None and here in scales:
+            match = RuleMatch(match.rule, None, scales[here])
         if match is not None and (match.rule.params is None or set(own) <= set(match.rule.params)):
             listed = [n for n in match.rule.params or () if n in below and below[n].key not in moved]
             taken.update(below[n].key for n in listed)
             names = own + listed
         else:  # no rule, one that cannot count all of the module's own parameters, or a promotion target
             match = RuleMatch(GENERIC, None)
-            names = own + [n for n, v in below.items() if moved.get(v.key) == here]
+            names = _once_per_key(own + [n for n, v in below.items() if moved.get(v.key) == here], views[here], below)
         reason = match.rule.check(site.module) if names and match.rule.check else None
         if reason:
             problems.append(f"'{site.path or '<root>'}' ({type(site.module).__name__}): {reason}")
@@ -136,7 +161,19 @@ def _plan(modules: list[Site], views: dict[int, dict[str, ParamView]], moved: di
             sites[id(s.module)] = Site(s.path, s.module, matches[id(s.module)], trainable)
         elif id(s.module) in scope_ids:
             sites[id(s.module)] = s
-    return _finish(sites, views, descendants, modules, moved)
+    return _finish(sites, views, descendants, modules, moved, forced, scales)
+
+
+def _once_per_key(names: list[str], own: dict[str, ParamView], below: dict[str, ParamView]) -> list[str]:
+    """A parameter tied under several names is counted under its first (functional_call ties the others)."""
+    seen: set[Hashable] = set()
+    out = []
+    for name in names:
+        key = (own.get(name) or below[name]).key
+        if key not in seen:
+            seen.add(key)
+            out.append(name)
+    return out
 
 
 def _descendant_views(site: Site, by_id: dict[int, Site], views: dict) -> dict[str, ParamView]:
@@ -155,7 +192,15 @@ def _is_ancestor(site: Site, other: Site) -> bool:
     return other is not site and (site.path == "" or other.path.startswith(f"{site.path}."))
 
 
-def _finish(sites: dict[int, Site], views: dict, descendants: dict, modules: list[Site], moved: dict) -> GradientPlan:
+def _finish(
+    sites: dict[int, Site],
+    views: dict,
+    descendants: dict,
+    modules: list[Site],
+    moved: dict,
+    forced: frozenset[int],
+    scales: dict[int, float],
+) -> GradientPlan:
     rule_sites = [s for s in sites.values() if s.match is not None]
     owners: dict[Hashable, list[int]] = {}
     names: dict[Hashable, tuple[str, ParamView]] = {}
@@ -175,7 +220,7 @@ def _finish(sites: dict[int, Site], views: dict, descendants: dict, modules: lis
     for site, clip_group in zip(rule_sites, clip_group_of_site, strict=True):
         clip_group_names[clip_group] = clip_group_names[clip_group] or site.path
     param_of = {where: params[key] for where, key in key_of.items()}
-    return GradientPlan(sites, list(params.values()), clip_group_names, param_of, views, modules, moved)
+    return GradientPlan(sites, list(params.values()), clip_group_names, param_of, views, modules, moved, forced, scales)
 
 
 def _refuse_sample_mixing(model: nn.Module) -> None:

@@ -35,12 +35,14 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
     leaves = [x.detach() if isinstance(x, Tensor) else x for x in leaves]
     batched = [i for i, x in enumerate(leaves) if _has_batch(x, batch * rows)]
     params = {name: p.detach() for name, p in call.params.items()}
-    shared = call.shared or (False,) * len(call.output_meta)
+    # only the outputs that reach the loss: the others add nothing (and may mix samples, like CLIP's logits)
+    used = [j for j, g in enumerate(call.grad_outputs) if g is not None]
+    shared = tuple(bool(call.shared and call.shared[j]) for j in used)
     cotangents = tuple(
-        _cotangent(meta, grad, is_shared, call)
-        for meta, grad, is_shared in zip(call.output_meta, call.grad_outputs, shared, strict=True)
+        _cotangent(call.output_meta[j], call.grad_outputs[j], is_shared, batch)
+        for j, is_shared in zip(used, shared, strict=True)
     )
-    output_slots = tuple(meta.slot for meta in call.output_meta)
+    output_slots = tuple(call.output_meta[j].slot for j in used)
 
     def one_sample(sample_inputs: tuple[Tensor, ...], sample_cotangents: tuple[Tensor, ...]):
         inputs = list(leaves)
@@ -65,10 +67,11 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
         raise FlashDPError(
             f"The generic rule cannot compute per-sample gradients for {call.label}: torch.func.vmap cannot run its "
             f"forward one sample at a time ({type(error).__name__}: {str(error).splitlines()[0][:300]}). This "
-            "happens with data-dependent control flow (a branch or a shape that depends on values). Freeze its "
+            "happens with data-dependent control flow (a branch or a shape that depends on values), inputs that fold "
+            "the batch into another dim, or a cache the forward updates (train with use_cache=False). Freeze its "
             "parameters, or register a rule for its type with flashdp.register_rule(...)."
         ) from error
-    _check_recomputed(call, outputs)
+    _check_recomputed(call, [call.outputs[j] for j in used], outputs, shared)
     return {name: g.to(accumulation_dtype(g)) for name, g in grads.items()}
 
 
@@ -81,12 +84,9 @@ def _by_sample(x: Tensor, batch: int) -> Tensor:
     return x.reshape(batch, x.shape[0] // batch, *x.shape[1:])
 
 
-def _cotangent(meta: OutputMeta, grad: Tensor | None, shared: bool, call: LayerCall) -> Tensor:
+def _cotangent(meta: OutputMeta, grad: Tensor, shared: bool, batch: int) -> Tensor:
     """`[B, ...]`: a batch output's gradient grouped by sample, or a shared output's per-sample gradient."""
-    if grad is None:
-        device = next(g for g in call.grad_outputs if g is not None).device
-        grad = torch.zeros((call.batch_size, *meta.shape) if shared else meta.shape, dtype=meta.dtype, device=device)
-    return grad if shared else _by_sample(grad.view(meta.shape), call.batch_size)
+    return grad if shared else _by_sample(grad.view(meta.shape), batch)
 
 
 def _autocast(state: tuple[str, torch.dtype] | None) -> contextlib.AbstractContextManager:
@@ -96,9 +96,10 @@ def _autocast(state: tuple[str, torch.dtype] | None) -> contextlib.AbstractConte
     return torch.autocast(device_type, dtype=dtype)
 
 
-def _check_recomputed(call: LayerCall, outputs: tuple[Tensor, ...]) -> None:
-    shared = call.shared or (False,) * len(call.outputs)
-    for recorded, again, is_shared in zip(call.outputs, outputs, shared, strict=True):
+def _check_recomputed(
+    call: LayerCall, recorded_outputs: list[Tensor | None], outputs: tuple[Tensor, ...], shared: tuple[bool, ...]
+) -> None:
+    for recorded, again, is_shared in zip(recorded_outputs, outputs, shared, strict=True):
         if recorded is None:  # not kept (a module first recorded only as an enclosing scope)
             continue
         # every sample recomputes the same shared output; batch outputs come back grouped by sample

@@ -55,6 +55,9 @@ class RuleMatch:
 
     rule: Rule
     verify_with: ReferenceForward | None
+    #: the module computes `output_scale` times its rule's forward (e.g. a scaled embedding): its output gradient
+    #: is scaled so before the rule sees it
+    output_scale: float = 1.0
 
 
 _TYPE_RULES: dict[type, Rule] = {}

@@ -1,0 +1,42 @@
+"""HF models from tiny configs, fully fine-tuned, called as their model cards call them (GPT-2 and BERT without
+position_ids), and PEFT adapters: exact against the float64 oracle in bk and ghost, with the engine's self-check
+on. The rules they end up with (registered fast paths, the generic rule, shared outputs) are in docs/layers.md."""
+
+import pytest
+import torch
+
+import flashdp
+from tests.hf.zoo import CASES, PEFT_CASES, B
+from tests.oracle import check_against_oracle
+
+ALL = CASES | {f"peft_{name}": case for name, case in PEFT_CASES.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_model_is_exact(name, mode):
+    case = ALL[name]()
+    model = case.build().to(case.dtype).eval()
+    rtol = 1e-7 if case.dtype == torch.float64 else 1e-3  # float32: MoE routing and its kernels
+    check_against_oracle(model, lambda s: case.loss(model, s), B, mode=mode, rtol=rtol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vit", "gemma", "mamba", "deberta_v3", "peft_dora"])
+def test_removing_one_sample_moves_the_sum_by_at_most_c_with_the_generic_rule(name):
+    """The sensitivity audit on models that use the generic rule."""
+    case = ALL[name]()
+    model = case.build().to(case.dtype).eval()
+    c = 1e-3
+    with flashdp.make_private(model, max_grad_norm=c, noise_multiplier=1.0) as engine:
+
+        def clipped_sum(keep: list[int]) -> torch.Tensor:
+            model.zero_grad()
+            engine.backward(case.loss(model, keep))
+            return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad and p.grad is not None])
+
+        full = clipped_sum(list(range(B)))
+        assert "generic" in engine.strategies.values()
+        for i in range(B):
+            assert (full - clipped_sum([j for j in range(B) if j != i])).norm() <= c * (1 + 1e-6)

@@ -71,6 +71,19 @@ class BorrowsWeight(nn.Linear):
         return F.linear(x, self.weight + self.sibling[0].weight, self.bias)
 
 
+class HoldsChildsBias(nn.Module):
+    """BERT's LM head: the decoder's bias is also the head's own parameter (used, or not, by the head itself)."""
+
+    def __init__(self, uses_it_too: bool):
+        super().__init__()
+        self.uses_it_too = uses_it_too
+        self.decoder = nn.Linear(4, 3)
+        self.bias = self.decoder.bias
+
+    def forward(self, x):
+        return self.decoder(x) + self.bias if self.uses_it_too else self.decoder(x)
+
+
 def _borrows():
     sibling = nn.Linear(4, 4)
     return nn.Sequential(sibling, nn.Tanh(), BorrowsWeight(sibling))
@@ -82,7 +95,20 @@ CASES = {
     "layer.forward": (CallsForward, lambda: torch.randn(3, 4), "inner.weight"),
     "sliced-weight": (SlicedWeight, lambda: torch.randn(3, 4), "dense.weight"),
     "borrowed-weight": (_borrows, lambda: torch.randn(3, 4), "0.weight"),
+    "child's-bias-used-by-the-parent-too": (lambda: HoldsChildsBias(True), lambda: torch.randn(3, 4), "bias"),
 }
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_parameter_also_held_by_a_child_is_counted_once_by_the_child(mode):
+    model = HoldsChildsBias(uses_it_too=False).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 3, mode=mode)
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=1.0) as engine:
+        model.zero_grad()
+        engine.backward(per_sample_loss(model(x)))
+        assert set(engine.strategies) == {"decoder.weight", "decoder.bias"}  # on the Linear's rule
+        assert "generic" not in engine.strategies.values()
 
 
 @pytest.mark.parametrize("mode", ["bk", "ghost"])

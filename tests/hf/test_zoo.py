@@ -1,11 +1,12 @@
 """HF models from tiny configs, fully fine-tuned, called as their model cards call them (GPT-2 and BERT without
-position_ids), and PEFT adapters: exact against the float64 oracle in bk and ghost, with the engine's self-check
+position_ids), and PEFT adapters: exact against the float64 oracle in bk, ghost and flash, with the engine's self-check
 on. The rules they end up with (registered fast paths, the generic rule, shared outputs) are in docs/layers.md."""
 
 import pytest
 import torch
 
 import flashdp
+from tests.conftest import MODES
 from tests.hf.zoo import CASES, PEFT_CASES, B
 from tests.oracle import check_against_oracle
 
@@ -13,7 +14,7 @@ ALL = CASES | {f"peft_{name}": case for name, case in PEFT_CASES.items()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(ALL))
 def test_model_is_exact(name, mode):
     case = ALL[name]()

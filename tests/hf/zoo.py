@@ -59,6 +59,18 @@ def classifier(config_class, model_class, **config) -> Case:
     return Case(build, lambda m, s: classification_loss(m(input_ids=ids[s], attention_mask=mask[s]).logits, LABELS[s]))
 
 
+def _masked_lm() -> Case:
+    """BERT-MLM: its LM head holds the decoder's bias as its own parameter too."""
+    ids = _ids()
+    build = lambda: tf.BertForMaskedLM(tf.BertConfig(vocab_size=VOCAB, **ENCODER))  # noqa: E731
+
+    def loss(m, s):
+        logits = m(input_ids=ids[s]).logits
+        return nn.functional.cross_entropy(logits.transpose(1, 2), ids[s], reduction="none").mean(1)
+
+    return Case(build, loss)
+
+
 def _vision(config_class, model_class, **config) -> Case:
     pixels = torch.randn(B, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     build = lambda: model_class(config_class(num_labels=3, **config))  # noqa: E731
@@ -147,6 +159,15 @@ CASES: dict[str, Callable[[], Case]] = {
                              decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
                              encoder_ffn_dim=12, decoder_ffn_dim=12, max_position_embeddings=16, **DROPOUT_FREE),
     "whisper": _whisper,
+    "bert_mlm": _masked_lm,
+    "xlnet": lambda: classifier(tf.XLNetConfig, tf.XLNetForSequenceClassification, d_model=8, n_layer=1, n_head=2,
+                                d_inner=12, dropout=0.0),
+    "deit": lambda: _vision(tf.DeiTConfig, tf.DeiTForImageClassification, hidden_size=8, num_hidden_layers=1,
+                            num_attention_heads=2, intermediate_size=12, image_size=8, patch_size=4, **DROPOUT_FREE),
+    "mbart": lambda: _seq2seq(tf.MBartConfig, tf.MBartForConditionalGeneration, d_model=8, encoder_layers=1,
+                              decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                              encoder_ffn_dim=12, decoder_ffn_dim=12, max_position_embeddings=16, **DROPOUT_FREE),
+    "cohere": lambda: causal_lm(tf.CohereConfig, **DECODER),
     "mixtral": lambda: _float32(causal_lm(tf.MixtralConfig, num_local_experts=4, num_experts_per_tok=2, **DECODER)),
 }  # fmt: skip
 

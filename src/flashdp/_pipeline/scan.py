@@ -127,9 +127,16 @@ def _plan(
     for site in modules:  # parents before children
         here = id(site.module)
         # a module's own parameters are counted by its rule (a tied parameter by every module holding it, each
-        # for the calls it makes), unless a rule higher up counts them or they were moved elsewhere
-        own = [n for n, v in views[here].items() if v.key not in taken and moved.get(v.key, here) == here]
+        # for the calls it makes), unless a rule higher up counts them or they were moved elsewhere; one a
+        # descendant also holds (BERT's LM-head bias, its decoder's bias) is counted by the descendant, whose
+        # calls are inside this module's
         below = descendants[here]
+        held_below = {v.key for v in below.values()}
+        own = [
+            n
+            for n, v in views[here].items()
+            if v.key not in taken and moved.get(v.key, here) == here and (v.key not in held_below or v.key in moved)
+        ]
         match = None if here in moved.values() or here in forced else find_rule(site.module)
         if match is not None and here in scales:
             match = RuleMatch(match.rule, None, scales[here])

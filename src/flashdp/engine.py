@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from flashdp._pipeline import broadcast, coverage, guards, self_check
 from flashdp._pipeline.clipping import Clipping, clip_coefficients
-from flashdp._pipeline.norm_pass import batch_dim, check_calls, output_gradients, per_param_gradients
+from flashdp._pipeline.norm_pass import batch_dims, check_calls, output_gradients, per_param_gradients
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice
 from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.profiling import PhaseTimer, profiling_requested
@@ -156,7 +156,7 @@ class DPEngine:
         # a new structure, and every self-check, verifies that every layer's output rows are per-sample
         verify = (checking or new_structure) and self._adapter.second_backward
         verify &= batch > 1 or self._adapter.world_size > 1  # every rank runs the pass (FSDP collectives)
-        for attempt in range(2):  # a layer found shared across the batch only by verifying is learnt, then redone
+        while True:  # a layer found shared across the batch, or time-major, only by verifying is learnt, then redone
             shared = self._shared_outputs(loss, calls, batch)
             sharing = broadcast.per_sample_gradients(list(shared.values()), batch)
             with self._timer.phase("norm pass"), self._adapter.norm_pass(), sharing:
@@ -166,9 +166,10 @@ class DPEngine:
                 failing = self._batch_independence(loss, calls, output_grads, shared) if verify else []
             if not failing:
                 break
-            if attempt or not self._learn_shared(loss, calls, failing, batch):
+            if not self._learn_layout(loss, calls, failing, batch):
                 sites = [plan.site(c.module).label for c in calls]
                 raise self_check.batch_independence_error([sites[i] for i in failing], sites)
+            plan = self._plan
         shared_grads = {key: output.per_sample for key, output in shared.items()}
         # the recorded activations require grad; nothing below is differentiated
         with torch.no_grad(), kernels_backend(self.settings.backend), self._timer.phase("norm computation"):
@@ -212,6 +213,11 @@ class DPEngine:
             misfits = self._misfits(loss, calls, batch, found.enclosing) if not found.uses else []
             if not found.uses and not misfits:
                 return changed
+            time_major = {i: d for i in misfits if (d := self._time_major_dim(calls[i], batch)) is not None}
+            if time_major:  # a position-wise rule is told where the batch is
+                self._use_plan(self._plan.with_batch_dims({calls[i].module: d for i, d in time_major.items()}))
+                changed = True
+                continue
             uses = found.uses
             targets = (
                 coverage.promotions(uses, calls, self._plan)
@@ -230,20 +236,37 @@ class DPEngine:
             plan = self._plan
             for module, keys in targets.items():
                 plan = plan.promote(module, keys)
-            self._recorder.plan = plan
-            self._structures.clear()
+            self._use_plan(plan)
             changed = True
         coverage.refuse(coverage.walk(loss, calls, self._plan, self.model.named_parameters()).uses)
         return changed
+
+    def _use_plan(self, plan: GradientPlan) -> None:
+        self._recorder.plan = plan
+        self._structures.clear()
+
+    def _time_major_dim(self, call: Call, batch: int) -> int | None:
+        """For a call of a position-wise rule whose outputs have the batch in another dim than the one it was
+        told (a time-major `[T, B, d]` call), the first dim before the features where every output has size B."""
+        site = self._plan.site(call.module)
+        if not site.match.rule.position_wise:
+            return None
+        current = self._batch_dims(call)[0]
+        shapes = [meta.shape for meta in call.output_meta]
+        dims = [d for d in range(max(len(s) for s in shapes) - 1) if all(len(s) > d and s[d] == batch for s in shapes)]
+        return next((d for d in dims if d > current), None)
 
     def _misfits(self, loss: Tensor, calls: list[Call], batch: int, entered: dict[int, tuple[int, ...]]) -> list[int]:
         """Rule site calls with an output that reaches the loss, has no batch dim (B * k rows are a batch) and is
         not broadcast over the batch by a later op."""
         lacking = {
-            i: [e for e, m in zip(call.edges, call.output_meta, strict=True) if _lacks_batch(m.shape, dim, batch)]
+            i: [
+                edge
+                for edge, meta, dim in zip(call.edges, call.output_meta, self._batch_dims(call), strict=True)
+                if _lacks_batch(meta.shape, dim, batch)
+            ]
             for i, call in enumerate(calls)
             if i in entered and batch > 1 and self._plan.site(call.module).match is not None
-            for dim in [self._batch_dim(call)]
         }
         if not any(lacking.values()):
             return []
@@ -282,7 +305,7 @@ class DPEngine:
 
     def _batch_independence(self, loss: Tensor, calls: list[Call], output_grads: list, shared: dict) -> list[int]:
         """The calls whose output rows are not per-sample (batch independence, the self-check's first part)."""
-        dims = [batch_dim(self._plan.site(c.module)) for c in calls]
+        dims = [self._batch_dims(c) for c in calls]
         rtol = self_check.tolerance([loss.dtype, *(m.dtype for c in calls for m in c.output_meta)])
         with self._adapter.norm_pass():
             return self_check.batch_independence_failures(
@@ -297,8 +320,10 @@ class DPEngine:
         candidates = [
             (i, j, edge, meta.shape)
             for i, call in enumerate(calls)
-            for j, (edge, meta) in enumerate(zip(call.edges, call.output_meta, strict=True))
-            if id(call.module) in self._shared_sites or _lacks_batch(meta.shape, self._batch_dim(call), batch)
+            for j, (edge, meta, dim) in enumerate(
+                zip(call.edges, call.output_meta, self._batch_dims(call), strict=True)
+            )
+            if id(call.module) in self._shared_sites or _lacks_batch(meta.shape, dim, batch)
         ]
         if not candidates:
             return {}
@@ -311,17 +336,22 @@ class DPEngine:
                 self._shared_sites.add(id(calls[i].module))
         return shared
 
-    def _batch_dim(self, call: Call) -> int:
-        return batch_dim(self._plan.site(call.module))
+    def _batch_dims(self, call: Call) -> tuple[int, ...]:
+        return batch_dims(self._plan.site(call.module), call)
 
-    def _learn_shared(self, loss: Tensor, calls: list[Call], failing: list[int], batch: int) -> bool:
-        """Whether every failing call shares its outputs across the batch (its dims equal B by chance): then they
-        are known as shared from now on."""
+    def _learn_layout(self, loss: Tensor, calls: list[Call], failing: list[int], batch: int) -> bool:
+        """Whether every call whose output rows were found not per-sample either shares its outputs across the batch
+        (its dims equal B by chance) or is a position-wise layer with the batch in a later dim (time-major, T
+        equal to B by chance): then that is known from now on, to be verified again."""
         graph = broadcast.parents(loss)
-        found = all(any(broadcast.frontiers(edge, graph, batch) for edge in calls[i].edges) for i in failing)
-        if found:
-            self._shared_sites.update(id(calls[i].module) for i in failing)
-        return found
+        shared = {i for i in failing if any(broadcast.frontiers(edge, graph, batch) for edge in calls[i].edges)}
+        time_major = {i: d for i in failing if i not in shared and (d := self._time_major_dim(calls[i], batch))}
+        if len(shared) + len(time_major) < len(failing):
+            return False
+        self._shared_sites.update(id(calls[i].module) for i in shared)
+        if time_major:  # (verified by the redone pass: the structure stays known)
+            self._recorder.plan = self._plan.with_batch_dims({calls[i].module: d for i, d in time_major.items()})
+        return True
 
     def _graph_tensors(self, calls: list[Call]) -> dict[object, Tensor]:
         """Each trainable parameter as the forward used it (a wrapper may have swapped in another tensor)."""

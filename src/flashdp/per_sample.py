@@ -11,6 +11,7 @@ Two forms:
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +81,21 @@ def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
 
 
 @dataclass(frozen=True)
+class RngState:
+    """The random number generators' state: the CPU one, and the one of the CUDA device a call ran on."""
+
+    cpu: Tensor
+    cuda: Tensor | None = None
+    device: torch.device | None = None
+
+
+def rng_state(device: torch.device | None) -> RngState:
+    if device is not None and device.type == "cuda":
+        return RngState(torch.get_rng_state(), torch.cuda.get_rng_state(device), device)
+    return RngState(torch.get_rng_state())
+
+
+@dataclass(frozen=True)
 class OutputMeta:
     """Where one recorded output sits in the module's output, and what it looks like."""
 
@@ -97,7 +113,6 @@ class LayerCall:
     the summed per-sample losses with respect to each (None where it does not reach the loss); output_meta
     describes each.
     params: the parameters the rule counts, by name relative to the module, as it held them during the call.
-    batch_dim: where the batch is in the inputs and outputs.
     autocast: (device type, dtype) of the autocast region the call ran in, or None.
     """
 
@@ -111,7 +126,6 @@ class LayerCall:
     batch_size: int
     #: k when the batch is folded into B * k rows (k per sample, sample-major), else 1
     rows_per_sample: int = 1
-    batch_dim: int = 0
     #: the other parameters and buffers the forward used, as held during the call, where a wrapper (FSDP) has
     #: since replaced them; empty otherwise
     frozen: dict[str, Tensor] = field(default_factory=dict)
@@ -119,4 +133,32 @@ class LayerCall:
     #: grad_outputs entry is then the per-sample gradient `[B, *output shape]`
     shared: tuple[bool, ...] = ()
     autocast: tuple[str, torch.dtype] | None = None
+    #: for a rule registered with `random`, the random number generators' state as the call began
+    rng_state: RngState | None = None
     label: str = field(default="", compare=False)
+
+    def arguments(self) -> dict[str, object]:
+        """The call's inputs by parameter name of the module's forward, defaults included."""
+        bound = inspect.signature(type(self.module).forward).bind(self.module, *self.args, **self.kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def tensor(self, name: str) -> Tensor | None:
+        """A parameter or buffer by name relative to the module (`"out_proj.weight"`), as the call held it."""
+        if name in self.params:
+            return self.params[name]
+        if name in self.frozen:
+            return self.frozen[name]
+        owner = self.module
+        *path, leaf = name.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        return getattr(owner, leaf, None)
+
+    def grad_output(self, slot: int) -> Tensor | None:
+        """The output gradient of the output tensor at `slot` (its index in the output's tensor leaves), shaped
+        like the output, or None where that output does not reach the loss."""
+        for meta, grad in zip(self.output_meta, self.grad_outputs, strict=True):
+            if meta.slot == slot and grad is not None:
+                return grad.view(meta.shape)
+        return None

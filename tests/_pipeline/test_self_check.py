@@ -56,18 +56,18 @@ class TimeMajor(nn.Module):
         return self.out(self.inner(x.transpose(0, 1)).transpose(0, 1).tanh())
 
 
-def test_a_time_major_layer_with_t_equal_to_b_is_caught():
-    model = TimeMajor()
-    with _engine(model) as engine, pytest.raises(FlashDPError, match=rf"{NOT_SEPARABLE}: 'inner' \(Linear\)"):
-        engine.backward(per_sample_loss(model(torch.randn(4, 4, 3))))
-
-
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
-def test_a_time_major_layer_with_t_other_than_b_is_counted_by_its_enclosing_module(mode):
-    """Its output [T, B, d] is neither batch-first nor shared, so its parameters go to the enclosing module."""
+@pytest.mark.parametrize("steps", [4, 5], ids=["T==B", "T!=B"])
+def test_a_time_major_linear_is_exact(steps, mode):
+    """Its output [T, B, d]: with T != B the batch is found in dim 1; with T == B, dim 0 fails the verification
+    (its rows are not samples), and dim 1 passes it."""
     model = TimeMajor().double()
-    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    x = torch.randn(4, steps, 3, dtype=torch.float64)
     check_against_oracle(model, lambda s: model(x[s]).square().sum((1, 2)), 4, mode=mode)
+    model.zero_grad()
+    with _engine(model, mode=mode) as engine:
+        engine.backward(model(x).square().sum((1, 2)))
+        assert "generic" not in engine.strategies.values()
 
 
 def test_rows_permuted_inside_the_forward_are_caught():

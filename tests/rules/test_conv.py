@@ -28,14 +28,46 @@ def conv_configs(draw):
     }
 
 
-@given(batch=batches, dims=st.sampled_from([1, 2]), config=conv_configs(), mode=modes, strategy=norm_strategies)
+CONVS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+TRANSPOSED = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+
+
+@given(batch=batches, dims=st.sampled_from([1, 2, 3]), config=conv_configs(), mode=modes, strategy=norm_strategies)
 def test_conv_matches_oracle(batch, dims, config, mode, strategy):
-    conv = (nn.Conv1d if dims == 1 else nn.Conv2d)(**config)
-    size = (7,) * dims
+    conv = CONVS[dims](**config)
+    size = (7, 6, 5)[:dims]
     model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
     model(torch.zeros(1, config["in_channels"], *size, dtype=torch.float64))
     x = torch.randn(batch, config["in_channels"], *size, dtype=torch.float64)
     check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode, norm_strategy=strategy)
+
+
+@st.composite
+def transposed_configs(draw):
+    groups = draw(st.sampled_from([1, 2]))
+    stride, dilation = draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    return {
+        "in_channels": groups * draw(st.integers(1, 2)),
+        "out_channels": groups * draw(st.integers(1, 2)),
+        "kernel_size": draw(st.integers(1, 3)),
+        "stride": stride,
+        "padding": draw(st.integers(0, 1)),
+        "output_padding": draw(st.integers(0, max(stride, dilation) - 1)),
+        "dilation": dilation,
+        "groups": groups,
+        "bias": draw(st.booleans()),
+    }
+
+
+@given(batch=batches, dims=st.sampled_from([1, 2, 3]), config=transposed_configs(), mode=modes)
+def test_transposed_conv_matches_oracle(batch, dims, config, mode):
+    """Strides, dilations and output_padding leave windows past the input (output_padding < dilation)."""
+    conv = TRANSPOSED[dims](**config)
+    size = (4, 3, 3)[:dims]
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
+    model(torch.zeros(1, config["in_channels"], *size, dtype=torch.float64))
+    x = torch.randn(batch, config["in_channels"], *size, dtype=torch.float64)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode)
 
 
 def test_two_conv_layers_with_groupnorm_match_oracle():

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -5,6 +6,8 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.t5.modeling_t5 import T5LayerNorm
 
+import flashdp
+from flashdp import FlashDPError
 from tests.oracle import check_against_oracle
 from tests.strategies import batches, clippings, modes, odd, per_sample_loss
 
@@ -68,3 +71,33 @@ def test_groupnorm_matches_oracle(batch, groups, per_group, spatial, mode):
     model(torch.zeros(1, channels, *spatial, dtype=torch.float64))  # materialise the lazy layer
     _randomise_affine(model)
     check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode)
+
+
+INSTANCE_NORMS = {1: nn.InstanceNorm1d, 2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}
+
+
+@given(batch=st.integers(1, 5), dims=st.sampled_from([1, 2, 3]), tracked_in_eval=st.booleans(), mode=modes)
+def test_instance_norm_matches_oracle(batch, dims, tracked_in_eval, mode):
+    """Instance statistics, or (in eval mode) running statistics. (torch's instance norm fails on an empty batch.)"""
+    norm = INSTANCE_NORMS[dims](3, affine=True, track_running_stats=tracked_in_eval)
+    model = nn.Sequential(nn.Conv1d(2, 3, 1) if dims == 1 else nn.Identity(), norm).double()
+    _randomise_affine(model)
+    if tracked_in_eval:
+        norm.running_mean.uniform_(-1, 1)
+        norm.running_var.uniform_(0.5, 2)
+        model.eval()
+    channels = 2 if dims == 1 else 3
+    x = torch.randn(batch, channels, *(4, 3, 2)[:dims], dtype=torch.float64)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode)
+
+
+def test_instance_norm_running_statistics_in_training_are_refused():
+    """They average private samples with no noise: a leak, whether the layer is trained or not."""
+    model = nn.Sequential(nn.Conv2d(2, 3, 1), nn.InstanceNorm2d(3, track_running_stats=True))
+    with pytest.raises(FlashDPError, match=r"'1' \(InstanceNorm2d\): track_running_stats=True in training mode"):
+        flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=1.0)
+    norm = nn.InstanceNorm2d(3, affine=True, track_running_stats=True).eval()
+    with flashdp.make_private(norm, max_grad_norm=1.0, noise_multiplier=1.0):
+        norm.train()
+        with pytest.raises(FlashDPError, match=r"track_running_stats=True in training mode.*eval\(\) the layer"):
+            norm(torch.randn(2, 3, 4, 4))

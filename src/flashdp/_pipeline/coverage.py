@@ -179,10 +179,10 @@ def layout_promotions(
             and all(m.shape and m.shape[0] % batch == 0 for m in calls[j].output_meta)
         ]
         if not outer:
-            outermost = calls[enclosing[i][0]] if enclosing.get(i) else calls[i]
-            if all(not m.shape or m.shape[0] % batch for m in outermost.output_meta):
-                size = next((m.shape[0] for m in calls[i].output_meta if m.shape), 0)
-                raise batch_mismatch_error(site.label, size, batch)  # the loss's batch is wrong
+            if not any(batch in m.shape for m in calls[i].output_meta):  # the loss's batch is wrong
+                raise batch_mismatch_error(
+                    site.label, next((m.shape[0] for m in calls[i].output_meta if m.shape), 0), batch
+                )
             raise FlashDPError(
                 f"Layer {site.label} gives an output without the batch as its first dim, which no later op "
                 "broadcasts over the batch and no enclosing module's forward takes back to batch-first outputs: "

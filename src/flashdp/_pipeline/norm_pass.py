@@ -22,20 +22,80 @@ SharedGrads = dict[tuple[int, int], Tensor]
 
 
 def output_gradients(loss: Tensor, calls: Sequence[Call], retain_graph: bool) -> list[OutputGrads]:
-    """`d sum(loss) / d output` of every output of every call."""
+    """`d sum(loss) / d output` of every output of every call, through the uses of the output outside the call
+    (see `_outside_gradients`)."""
+    feeding = [_feeding_outputs(call) for call in calls]
+    with torch.enable_grad():
+        total = loss.sum()
     grads = torch.autograd.grad(
-        loss.sum(), [e for c in calls for e in c.edges], retain_graph=retain_graph, allow_unused=True
+        total,
+        [e for c in calls for e in c.edges],
+        retain_graph=retain_graph or any(feeding),
+        allow_unused=True,
     )
     out, start = [], 0
-    for call in calls:
-        out.append(tuple(grads[start : start + len(call.edges)]))
+    for call, feeds in zip(calls, feeding, strict=True):
+        call_grads = grads[start : start + len(call.edges)]
+        out.append(_outside_gradients(call, call_grads, feeds) if feeds else tuple(call_grads))
         start += len(call.edges)
     return out
 
 
-def batch_dim(site: Site) -> int:
-    rule = site.match.rule
-    return rule.batch_dim(site.module) if rule.batch_dim else 0
+def _feeding_outputs(call: Call) -> dict[int, list[int]]:
+    """Output j -> the outputs k of the same call computed from it inside the call (HF attention returning its
+    weights with the output computed from them). Found by walking the call's own graph, from each output back to
+    the call's inputs."""
+    if len(call.edges) < 2:
+        return {}
+    position = {(e.node, e.output_nr): j for j, e in enumerate(call.edges)}
+    stop = {(e.node, e.output_nr) for e in call.input_edges}
+    feeds: dict[int, list[int]] = {}
+    for k, edge in enumerate(call.edges):
+        seen = {(edge.node, edge.output_nr)}
+        stack = [edge.node]
+        while stack:
+            node = stack.pop()
+            for child in node.next_functions:
+                if child[0] is None or child in seen or child in stop:
+                    continue
+                seen.add(child)
+                j = position.get(child)
+                if j is not None and j != k:
+                    feeds.setdefault(j, []).append(k)
+                stack.append(child[0])
+    return feeds
+
+
+def _outside_gradients(call: Call, totals: Sequence[Tensor | None], feeds: dict[int, list[int]]) -> OutputGrads:
+    """Autograd's gradient at an output that other outputs of the call are computed from also counts the paths
+    through them; a rule needs the gradient through the output's own uses outside the call. Outputs computed
+    from others first: `outside_j = total_j - vjp_j(sum_k <output_k, outside_k>)` over the outputs k fed by j."""
+    outside = list(totals)
+    order = sorted(range(len(call.edges)), key=lambda j: call.edges[j].node._sequence_nr(), reverse=True)
+    for j in order:
+        fed = [k for k in feeds.get(j, ()) if outside[k] is not None]
+        if not fed or totals[j] is None:
+            continue
+        with torch.enable_grad():
+            (through,) = torch.autograd.grad(
+                [call.edges[k] for k in fed],
+                [call.edges[j]],
+                [outside[k] for k in fed],
+                retain_graph=True,
+                allow_unused=True,
+            )
+        if through is not None:
+            outside[j] = totals[j] - through
+    return tuple(outside)
+
+
+def batch_dims(site: Site, call: Call) -> tuple[int, ...]:
+    """Per recorded output of a rule site's call, the dim its batch is in (0 unless the rule says otherwise:
+    time-major recurrent and attention layers)."""
+    rule, dims = site.match.rule, site.match.batch_dim  # (learnt for a position-wise layer called time-major)
+    if dims is None:
+        dims = rule.batch_dim(site.module) if rule.batch_dim else 0
+    return tuple(dims if isinstance(dims, int) else dims[meta.slot] for meta in call.output_meta)
 
 
 def check_calls(
@@ -53,8 +113,8 @@ def check_calls(
             if call.modified_in_place():
                 raise call.hidden_by_in_place_error(site.label)
             continue
-        dim = batch_dim(site)
-        for j, (meta, grad) in enumerate(zip(call.output_meta, grads, strict=True)):
+        dims = batch_dims(site, call)
+        for j, (meta, grad, dim) in enumerate(zip(call.output_meta, grads, dims, strict=True)):
             if grad is not None and (index, j) not in shared:
                 _check_batch(site, meta.shape[dim] if len(meta.shape) > dim else 1, batch)
 
@@ -112,6 +172,9 @@ def _run_rule(
             grad_output, inputs = _as_batch(shared[0] * site.match.output_scale, shape, inputs, batch)
         elif rows > 1:  # B * k rows: as [B, k, ...]
             grad_output, inputs = _unfold_rows(grad_output, batch), tuple(_unfold_rows(x, batch) for x in inputs)
+        elif site.match.batch_dim:  # a position-wise layer called with the batch in another dim: moved to dim 0
+            dim = site.match.batch_dim
+            grad_output, inputs = grad_output.movedim(dim, 0), tuple(_batch_first(x, dim, batch) for x in inputs)
         return rule.per_sample_grads(call.module, inputs, grad_output, frozenset(site.trainable))
     params = {
         name: call.params[name] if name in call.params else attribute(call.module, name) for name in site.trainable
@@ -127,8 +190,8 @@ def _run_rule(
         params=params,
         batch_size=batch,
         rows_per_sample=rows,
-        batch_dim=batch_dim(site),
         autocast=call.autocast,
+        rng_state=call.rng_state,
         frozen=call.frozen,
         label=site.label,
     )
@@ -138,9 +201,18 @@ def _run_rule(
 def _rows_per_sample(call: Call, site: Site, batch: int, shared: dict[int, Tensor]) -> int:
     """k when the call's batch outputs have B * k rows (a batch folded into rows, k per sample, sample-major: the
     batch-independence check verifies it on every new forward structure), else 1."""
-    dim = batch_dim(site)
-    sizes = {m.shape[dim] for j, m in enumerate(call.output_meta) if j not in shared and len(m.shape) > dim}
+    sizes = {
+        meta.shape[dim]
+        for j, (meta, dim) in enumerate(zip(call.output_meta, batch_dims(site, call), strict=True))
+        if j not in shared and len(meta.shape) > dim
+    }
     return max(sizes, default=batch) // batch if batch else 1
+
+
+def _batch_first(x: object, dim: int, batch: int) -> object:
+    if isinstance(x, Tensor) and x.dim() > dim and x.shape[dim] == batch:
+        return x.movedim(dim, 0)
+    return x
 
 
 def _unfold_rows(x: object, batch: int) -> object:
@@ -179,6 +251,6 @@ def _check_batch(site: Site, size: int, batch: int) -> None:
 def batch_mismatch_error(label: str, size: int, batch: int) -> FlashDPError:
     return FlashDPError(
         f"Batch size mismatch: the loss has {batch} per-sample values, but layer {label} was called on a batch "
-        f"of {size} (its output's first dim). flashdp needs the batch as the first dim of every layer's input and "
+        f"of {size} (its output's batch dim). flashdp needs the batch as the first dim of every layer's input and "
         "output (or B * k rows, k per sample), and one loss per sample."
     )

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 from flashdp._pipeline.params import attribute
 from flashdp._pipeline.scan import GradientPlan, Site
 from flashdp.errors import FlashDPError
-from flashdp.per_sample import OutputMeta
+from flashdp.per_sample import OutputMeta, RngState, rng_state
 
 #: Relative error allowed when checking a module's forward against its rule's. It catches a different function
 #: (errors of order 1), not rounding: HF norms compute in float32 even for float64 inputs.
@@ -49,15 +49,13 @@ class Call:
     #: under a wrapper that replaces parameters after the forward, a generic site's other parameters as held
     frozen: dict[str, Tensor]
     autocast: tuple[str, torch.dtype] | None
+    #: the random number generators' state as the call began, for a rule that replays its random draws
+    rng_state: RngState | None = None
 
     @property
     def inputs(self) -> tuple:
         """The positional inputs, or without any, the keyword inputs' values: what a simple rule takes."""
         return self.args or tuple(self.kwargs.values())
-
-    def batch_size(self, batch_dim: int = 0) -> int | None:
-        shapes = [m.shape for m in self.output_meta]
-        return shapes[0][batch_dim] if shapes and len(shapes[0]) > batch_dim else None
 
     def modified_in_place(self) -> bool:
         return any(o is not None and o._version != v for o, v in zip(self.outputs, self.output_versions, strict=True))
@@ -85,13 +83,28 @@ class Recorder:
         self._keep_params = keep_params
         self._paused = False
         self._verified: set[int] = set()
+        self._rng_states: dict[int, list[RngState]] = {}
         # prepend: run before a wrapper's own post-forward hook (FSDP2 reshards its parameters there)
         self._handles = [
             site.module.register_forward_hook(_Hook(self), with_kwargs=True, prepend=True)
             for site in plan.sites.values()
         ]
+        self._handles += [
+            site.module.register_forward_pre_hook(_Hook(self, before=True), with_kwargs=True)
+            for site in plan.rule_sites
+            if site.match.rule.random is not None
+        ]
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Save the random state where the module's forward will draw random numbers (its rule replays them)."""
+        site = self.plan.sites.get(id(module))
+        if site is not None and site.match is not None and site.match.rule.random and site.match.rule.random(module):
+            device = next((t.device for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)), None)
+            self._rng_states.setdefault(id(module), []).append(rng_state(device))
 
     def record(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        saved = self._rng_states.get(id(module))
+        rng = saved.pop() if saved else None
         if self._paused or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return
         site = self.plan.sites.get(id(module))
@@ -105,8 +118,8 @@ class Recorder:
             # a module that does not compute what its registered rule assumes gets the generic rule instead
             self.plan = self.plan.with_generic(module) if scale is None else self.plan.with_scale(module, scale)
             site = self.plan.site(module)
-        if site.match is not None and not site.match.rule.per_call:
-            _check_single_output(site, output)
+        if site.match is not None:
+            _check_call(site, args, kwargs, output)
         if not slots:
             return
         self._on_call()
@@ -115,7 +128,7 @@ class Recorder:
         counting = site.match is not None
         params = {name: attribute(module, name) for name in site.trainable}
         frozen: dict[str, Tensor] = {}
-        if self._keep_params and site.is_generic:
+        if self._keep_params and counting and site.match.rule.per_call:  # they read the parameters from the call
             params = {n: p.detach().clone() for n, p in params.items()}
             frozen = {n: t.detach().clone() for n, t in _tensors_of(module) if n not in params}
         self.calls.append(
@@ -131,6 +144,7 @@ class Recorder:
                 params=params,
                 frozen=frozen,
                 autocast=_autocast_state(outputs[0].device.type),
+                rng_state=rng,
             )
         )
 
@@ -158,11 +172,14 @@ class _Hook:
     """The forward hook of one module. Copying or pickling a model while attached (copy.deepcopy, torch.save)
     copies its hooks: the copy gets an inert hook, so it is plain PyTorch and holds none of the engine's state."""
 
-    def __init__(self, recorder: Recorder) -> None:
-        self.recorder = recorder
+    def __init__(self, recorder: Recorder, before: bool = False) -> None:
+        self.recorder, self.is_pre_hook = recorder, before
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-        self.recorder.record(module, args, kwargs, output)
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, *output: object) -> None:
+        if self.is_pre_hook:
+            self.recorder.before(module, args, kwargs)
+        else:
+            self.recorder.record(module, args, kwargs, output[0])
 
     def __reduce__(self) -> tuple:
         return (_inert_hook, ())
@@ -199,7 +216,14 @@ def _autocast_state(device_type: str) -> tuple[str, torch.dtype] | None:
     return None
 
 
-def _check_single_output(site: Site, output: object) -> None:
+def _check_call(site: Site, args: tuple, kwargs: dict, output: object) -> None:
+    """What the site's rule needs of one call: its own check, and one output tensor for a simple rule."""
+    rule = site.match.rule
+    reason = rule.check_call(site.module, args, kwargs) if rule.check_call else None
+    if reason:
+        raise FlashDPError(f"Layer {site.label}: {reason}")
+    if rule.per_call:
+        return
     if not isinstance(output, Tensor):
         raise FlashDPError(f"Layer {site.label} returned {type(output).__name__}; its rule expects one output tensor.")
     if output.requires_grad and output.dim() == 0:

@@ -10,7 +10,7 @@ counts it is moved to the generic rule at the smallest module whose forward encl
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
@@ -19,6 +19,7 @@ from flashdp._pipeline.params import ParamView, ParamViews, TrainableParam, loca
 from flashdp.errors import FlashDPError
 from flashdp.rules import RuleMatch, find_rule
 from flashdp.rules.generic import GENERIC
+from flashdp.rules.norms import RUNNING_STATS_LEAK
 
 #: Layer types whose output for one sample depends on the other samples of the batch.
 SAMPLE_MIXING = (nn.modules.batchnorm._BatchNorm,)
@@ -47,6 +48,20 @@ class Site:
 
 
 @dataclass(frozen=True)
+class Learnt:
+    """What the engine learnt about the model's calls since the scan; the plan is rebuilt from it."""
+
+    #: promoted parameters: key -> id of the module whose generic rule counts them
+    moved: dict[Hashable, int] = field(default_factory=dict)
+    #: modules whose registered rule does not fit their forward: the generic rule counts their own parameters
+    forced: frozenset[int] = frozenset()
+    #: modules whose forward is a constant multiple of their registered rule's (checked on their first call)
+    scales: dict[int, float] = field(default_factory=dict)
+    #: modules of position-wise rules called with the batch in another dim than 0 (time-major): that dim
+    batch_dims: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class GradientPlan:
     #: id(module) -> its site, in the model's module order
     sites: dict[int, Site]
@@ -56,15 +71,11 @@ class GradientPlan:
     #: (id(site module), name relative to it) -> the parameter. Wrappers such as FSDP2 swap the objects
     #: registered on a module (sharded / unsharded), so a module and a name identify a parameter.
     param_of: dict[tuple[int, str], TrainableParam]
-    #: how the plan was built, to rebuild it with parameters moved: every module's trainable parameters, every
-    #: module (sites or not), and the parameters promoted so far (key -> id of the module counting them)
+    #: how the plan was built, to rebuild it: every module's trainable parameters, every module (sites or not),
+    #: and what was learnt since the scan
     views: dict[int, dict[str, ParamView]] = field(repr=False)
     all_sites: list[Site] = field(repr=False)
-    moved: dict[Hashable, int] = field(default_factory=dict, repr=False)
-    #: modules whose registered rule does not fit their forward: the generic rule counts their own parameters
-    forced: frozenset[int] = frozenset()
-    #: modules whose forward is a constant multiple of their registered rule's (checked on their first call)
-    scales: dict[int, float] = field(default_factory=dict)
+    learnt: Learnt = field(default_factory=Learnt, repr=False)
 
     @property
     def rule_sites(self) -> list[Site]:
@@ -78,46 +89,42 @@ class GradientPlan:
     def promote(self, module: nn.Module, keys: Iterable[Hashable]) -> GradientPlan:
         """The plan with these parameters (of `module` or its descendants) counted by the generic rule at `module`,
         with its own parameters."""
-        moved = dict(self.moved) | dict.fromkeys(keys, id(module))
-        return _plan([Site(s.path, s.module) for s in self.all_sites], self.views, moved, self.forced, self.scales)
+        return self._rebuilt(moved=self.learnt.moved | dict.fromkeys(keys, id(module)))
 
     def with_generic(self, module: nn.Module) -> GradientPlan:
         """The plan with `module`'s own parameters counted by the generic rule instead of its registered one (a
         parameter it shares with other modules stays counted by them too, each for its own calls)."""
-        sites = [Site(s.path, s.module) for s in self.all_sites]
-        return _plan(sites, self.views, self.moved, self.forced | {id(module)}, self.scales)
+        return self._rebuilt(forced=self.learnt.forced | {id(module)})
 
     def with_scale(self, module: nn.Module, scale: float) -> GradientPlan:
         """The plan with `module`'s registered rule applied to `scale` times its output gradient (its forward
         computes that multiple of the rule's)."""
-        sites = [Site(s.path, s.module) for s in self.all_sites]
-        return _plan(sites, self.views, self.moved, self.forced, self.scales | {id(module): scale})
+        return self._rebuilt(scales=self.learnt.scales | {id(module): scale})
+
+    def with_batch_dims(self, dims: dict[nn.Module, int]) -> GradientPlan:
+        """The plan with these modules' position-wise rules told that their calls have the batch in another dim."""
+        return self._rebuilt(batch_dims=self.learnt.batch_dims | {id(m): d for m, d in dims.items()})
+
+    def _rebuilt(self, **learnt: object) -> GradientPlan:
+        return _plan([Site(s.path, s.module) for s in self.all_sites], self.views, replace(self.learnt, **learnt))
 
 
 def scan_model(model: nn.Module, param_views: ParamViews = local_param_views) -> GradientPlan:
     """Find every trainable parameter's rule; fail loudly on anything that cannot be counted exactly."""
     _refuse_sample_mixing(model)
+    _refuse_running_statistics(model)
     modules = [(path, m) for path, m in model.named_modules() if not isinstance(m, WRAPPERS)]
     views = {id(m): param_views(m) for _, m in modules}
     if not any(views.values()):
         raise FlashDPError(
             "The model has no trainable parameters (none with requires_grad=True): nothing to train privately."
         )
-    return _plan([Site(path, m) for path, m in modules], views, {}, frozenset(), {})
+    return _plan([Site(path, m) for path, m in modules], views, Learnt())
 
 
-def _plan(
-    modules: list[Site],
-    views: dict[int, dict[str, ParamView]],
-    moved: dict[Hashable, int],
-    forced: frozenset[int],
-    scales: dict[int, float],
-) -> GradientPlan:
-    """Assign every trainable parameter to rule sites; hook the ancestors of rule sites as scopes.
-
-    moved: parameter key -> id of the module whose generic rule counts it (promoted there); forced: modules that
-    get the generic rule for their own parameters; scales: modules whose rule sees a scaled output gradient.
-    """
+def _plan(modules: list[Site], views: dict[int, dict[str, ParamView]], learnt: Learnt) -> GradientPlan:
+    """Assign every trainable parameter to rule sites; hook the ancestors of rule sites as scopes."""
+    moved = learnt.moved
     by_id = {id(s.module): s for s in modules}
     descendants = {id(s.module): _descendant_views(s, by_id, views) for s in modules}
     taken: set[Hashable] = set()  # descendants' parameters a rule higher in the tree counts
@@ -137,9 +144,11 @@ def _plan(
             for n, v in views[here].items()
             if v.key not in taken and moved.get(v.key, here) == here and (v.key not in held_below or v.key in moved)
         ]
-        match = None if here in moved.values() or here in forced else find_rule(site.module)
-        if match is not None and here in scales:
-            match = RuleMatch(match.rule, None, scales[here])
+        match = None if here in moved.values() or here in learnt.forced else find_rule(site.module)
+        if match is not None and here in learnt.scales:  # (the scale was found by verifying it)
+            match = replace(match, verify_with=None, output_scale=learnt.scales[here])
+        if match is not None and here in learnt.batch_dims:
+            match = replace(match, batch_dim=learnt.batch_dims[here])
         if match is not None and (match.rule.params is None or set(own) <= set(match.rule.params)):
             listed = [n for n in match.rule.params or () if n in below and below[n].key not in moved]
             taken.update(below[n].key for n in listed)
@@ -168,7 +177,7 @@ def _plan(
             sites[id(s.module)] = Site(s.path, s.module, matches[id(s.module)], trainable)
         elif id(s.module) in scope_ids:
             sites[id(s.module)] = s
-    return _finish(sites, views, descendants, modules, moved, forced, scales)
+    return _finish(sites, views, descendants, modules, learnt)
 
 
 def _once_per_key(names: list[str], own: dict[str, ParamView], below: dict[str, ParamView]) -> list[str]:
@@ -204,9 +213,7 @@ def _finish(
     views: dict,
     descendants: dict,
     modules: list[Site],
-    moved: dict,
-    forced: frozenset[int],
-    scales: dict[int, float],
+    learnt: Learnt,
 ) -> GradientPlan:
     rule_sites = [s for s in sites.values() if s.match is not None]
     owners: dict[Hashable, list[int]] = {}
@@ -227,7 +234,7 @@ def _finish(
     for site, clip_group in zip(rule_sites, clip_group_of_site, strict=True):
         clip_group_names[clip_group] = clip_group_names[clip_group] or site.path
     param_of = {where: params[key] for where, key in key_of.items()}
-    return GradientPlan(sites, list(params.values()), clip_group_names, param_of, views, modules, moved, forced, scales)
+    return GradientPlan(sites, list(params.values()), clip_group_names, param_of, views, modules, learnt)
 
 
 def _refuse_sample_mixing(model: nn.Module) -> None:
@@ -238,6 +245,16 @@ def _refuse_sample_mixing(model: nn.Module) -> None:
             "whole batch), so per-sample gradients, and DP-SGD's guarantee, do not exist for it. Replace it with "
             "nn.GroupNorm or nn.LayerNorm (e.g. GroupNorm(min(32, C), C))."
         )
+
+
+def _refuse_running_statistics(model: nn.Module) -> None:
+    tracking = [
+        f"'{p}' ({type(m).__name__})"
+        for p, m in model.named_modules()
+        if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats and m.training
+    ]
+    if tracking:
+        raise FlashDPError(f"{', '.join(tracking)}: {RUNNING_STATS_LEAK}")
 
 
 def _union_groups(count: int, shared: Iterable[list[int]]) -> list[int]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flashdp._pipeline.norm_pass import output_gradients
 from flashdp._pipeline.param_grad import ClippedSumPlan
 from flashdp._pipeline.recorder import Call
 from flashdp.errors import FlashDPError
@@ -66,7 +67,7 @@ def batch_independence_failures(
     loss: Tensor,
     calls: Sequence[Call],
     output_grads: Sequence[tuple[Tensor | None, ...]],
-    batch_dims: Sequence[int],
+    batch_dims: Sequence[tuple[int, ...]],
     shared: Collection[tuple[int, int]],
     rtol: float,
     generator: torch.Generator,
@@ -78,15 +79,11 @@ def batch_independence_failures(
     batch = loss.shape[0]
     weights = _powers_of_two(batch, generator).to(loss.device)
     with torch.enable_grad():
-        weighted_loss = (loss * weights.to(loss.dtype)).sum()
-    weighted = torch.autograd.grad(
-        weighted_loss, [e for c in calls for e in c.edges], retain_graph=True, allow_unused=True
-    )
-    failing, start = [], 0
-    for index, (call, grads, dim) in enumerate(zip(calls, output_grads, batch_dims, strict=True)):
-        again = weighted[start : start + len(grads)]
-        start += len(grads)
-        for j, (meta, grad, weighted_grad) in enumerate(zip(call.output_meta, grads, again, strict=True)):
+        weighted_loss = loss * weights.to(loss.dtype)
+    weighted = output_gradients(weighted_loss, calls, retain_graph=True)
+    failing = []
+    for index, (call, grads, again, dims) in enumerate(zip(calls, output_grads, weighted, batch_dims, strict=True)):
+        for j, (meta, grad, weighted_grad, dim) in enumerate(zip(call.output_meta, grads, again, dims, strict=True)):
             if grad is None or weighted_grad is None or (index, j) in shared or batch < 2:
                 continue
             # rows of sample i: row i, or rows i * k .. i * k + k - 1 of a batch folded into B * k rows

@@ -4,7 +4,7 @@ Importing this package registers the built-in rules.
 """
 
 from flashdp.per_sample import OuterGrad, PerSampleGrad, TokenRows
-from flashdp.rules import conv, embedding, linear, norms
+from flashdp.rules import activations, attention, conv, embedding, linear, norms, recurrent
 from flashdp.rules.registry import Rule, RuleMatch, find_rule, register_rule
 
 __all__ = [
@@ -13,10 +13,13 @@ __all__ = [
     "Rule",
     "RuleMatch",
     "TokenRows",
+    "activations",
+    "attention",
     "conv",
     "embedding",
     "find_rule",
     "linear",
     "norms",
+    "recurrent",
     "register_rule",
 ]

@@ -1,11 +1,14 @@
-"""`nn.Embedding`: the per-sample gradient scatters `g_t` into row `x_t`; its norm comes from segment sums."""
+"""`nn.Embedding` and `nn.EmbeddingBag`: the per-sample gradient scatters `g_t` (times the bag's weight of each
+token) into row `x_t`; its norm comes from segment sums over equal ids."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from flashdp.errors import FlashDPError
-from flashdp.per_sample import OuterGrad, TokenRows
+from flashdp.per_sample import LayerCall, OuterGrad, TokenRows
+from flashdp.rules.recompute import require_own_batch
 from flashdp.rules.registry import register_rule
 
 
@@ -27,6 +30,49 @@ def embedding_grads(
     return {"weight": OuterGrad(TokenRows(ids, module.num_embeddings), g)}
 
 
+def embedding_bag_grads(call: LayerCall) -> dict[str, OuterGrad]:
+    """Weight `[V, d]`: bag b's gradient is `sum_n w_bn onehot(x_bn)^T g_b`, with `w` the per-sample weights
+    ("sum"), `1 / bag size` ("mean") or 1, and 0 for padding_idx; bags are the rows of a 2-D input, or the
+    slices of a 1-D input between offsets. G `[B, d]`."""
+    require_own_batch(call, "Embedding bag")
+    module: nn.EmbeddingBag = call.module
+    a = call.arguments()
+    grad_output = call.grad_output(0)
+    ids, weights, valid = _bags(module, a["input"], a["offsets"], a["per_sample_weights"], grad_output.shape[0])
+    if module.padding_idx is not None:
+        valid = valid & (ids != module.padding_idx)
+    coefficient = valid.to(grad_output.dtype) if weights is None else weights.to(grad_output.dtype) * valid
+    if module.mode == "mean":
+        coefficient = coefficient / valid.sum(1, keepdim=True).clamp_min(1)
+    right = coefficient.unsqueeze(-1) * grad_output.unsqueeze(1)  # [B, N, d]
+    return {"weight": OuterGrad(TokenRows(ids, module.num_embeddings), right)}
+
+
+def _bags(
+    module: nn.EmbeddingBag, ids: Tensor, offsets: Tensor | None, weights: Tensor | None, batch: int
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Bags as padded rows: ids `[B, N]`, their per-sample weights (or None) and which entries are real."""
+    if ids.dim() == 2:
+        return ids, weights, torch.ones_like(ids, dtype=torch.bool)
+    ends = torch.cat([offsets[1:], offsets.new_tensor([ids.shape[0]])])[:batch]
+    starts = offsets[:batch]
+    if module.include_last_offset:
+        ends = offsets[1 : batch + 1]
+    sizes = ends - starts
+    width = int(sizes.max()) if batch else 0
+    index = starts[:, None] + torch.arange(width, device=ids.device)
+    valid = torch.arange(width, device=ids.device) < sizes[:, None]
+    index = torch.where(valid, index, 0).clamp_max(max(ids.shape[0] - 1, 0))
+    padded_weights = None if weights is None else weights[index]
+    return ids[index] if ids.numel() else index, padded_weights, valid
+
+
+def embedding_bag_support(module: nn.EmbeddingBag) -> str | None:
+    if module.mode == "max":
+        return "mode='max' is not supported (its gradient picks a row per feature); use 'sum' or 'mean'"
+    return embedding_support(module)
+
+
 def embedding_support(module: nn.Embedding) -> str | None:
     if module.scale_grad_by_freq:
         return "scale_grad_by_freq=True scales gradients by batch-wide token counts, which mixes samples"
@@ -35,4 +81,5 @@ def embedding_support(module: nn.Embedding) -> str | None:
     return None
 
 
-register_rule(nn.Embedding, embedding_grads, check=embedding_support)
+register_rule(nn.Embedding, embedding_grads, check=embedding_support, position_wise=True)
+register_rule(nn.EmbeddingBag, embedding_bag_grads, check=embedding_bag_support, per_call=True)

@@ -12,8 +12,6 @@ counts, `[B, *shape]` each.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import Tensor
 from torch.func import functional_call, vjp, vmap
@@ -21,11 +19,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from flashdp.errors import FlashDPError
 from flashdp.per_sample import LayerCall, OutputMeta, accumulation_dtype
+from flashdp.rules.recompute import autocast_like, check_recomputed
 from flashdp.rules.registry import Rule
-
-#: Relative error allowed between the recorded outputs and their per-sample recomputation (which rounds
-#: differently: a batch of 1 per sample).
-_RECOMPUTE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
 def generic_grads(call: LayerCall) -> dict[str, Tensor]:
@@ -61,7 +56,7 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
 
     per_sample_inputs = tuple(_by_sample(leaves[i], batch) for i in batched)
     try:
-        with _autocast(call.autocast), torch.enable_grad():
+        with autocast_like(call), torch.enable_grad():
             grads, outputs = vmap(one_sample, randomness="different")(per_sample_inputs, cotangents)
     except (RuntimeError, ValueError, TypeError, IndexError) as error:
         raise FlashDPError(
@@ -89,37 +84,14 @@ def _cotangent(meta: OutputMeta, grad: Tensor, shared: bool, batch: int) -> Tens
     return grad if shared else _by_sample(grad.view(meta.shape), batch)
 
 
-def _autocast(state: tuple[str, torch.dtype] | None) -> contextlib.AbstractContextManager:
-    if state is None:
-        return contextlib.nullcontext()
-    device_type, dtype = state
-    return torch.autocast(device_type, dtype=dtype)
-
-
 def _check_recomputed(
     call: LayerCall, recorded_outputs: list[Tensor | None], outputs: tuple[Tensor, ...], shared: tuple[bool, ...]
 ) -> None:
     for recorded, again, is_shared in zip(recorded_outputs, outputs, shared, strict=True):
-        if recorded is None:  # not kept (a module first recorded only as an enclosing scope)
-            continue
-        # every sample recomputes the same shared output; batch outputs come back grouped by sample
-        again = again[0] if is_shared else again.reshape(recorded.shape)
-        if recorded.shape != again.shape:
-            raise FlashDPError(
-                f"The generic rule recomputed {call.label}'s output one sample at a time and got shape "
-                f"{tuple(again.shape)}, not the recorded {tuple(recorded.shape)}: its batch is not dim 0 of every "
-                "input and output. Register a rule for its type with flashdp.register_rule(...)."
-            )
-        tolerance = _RECOMPUTE_TOLERANCE.get(recorded.dtype, 3e-2)
-        scale = recorded.detach().double().norm().clamp_min(1e-30)
-        error = (again.double() - recorded.detach().double()).norm() / scale
-        if not bool(error <= tolerance):
-            raise FlashDPError(
-                f"The generic rule recomputed {call.label}'s output one sample at a time and got another result "
-                f"(relative difference {float(error):.2g}): its forward is random (dropout in training mode), "
-                "keeps state between calls, or mixes samples. Make it deterministic (eval(), or dropout 0), or "
-                "freeze its parameters."
-            )
+        if recorded is not None:  # (None: not kept, a module first recorded only as an enclosing scope)
+            # every sample recomputes the same shared output; batch outputs come back grouped by sample
+            again = again[0] if is_shared else again.reshape(-1, *again.shape[2:])
+            check_recomputed(call.label, recorded, again, "one sample at a time with the generic rule")
 
 
 #: the rule of every module without one of its own (and of promotion targets)

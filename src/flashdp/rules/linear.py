@@ -1,4 +1,5 @@
-"""Linear layers: `nn.Linear` (`y = x W^T + b`) and HF's `Conv1D` (`y = x W + b`, GPT-2)."""
+"""Linear layers: `nn.Linear` (`y = x W^T + b`), HF's `Conv1D` (`y = x W + b`, GPT-2) and `nn.Bilinear`
+(`y_k = x1^T W_k x2 + b_k`, a Linear on `x1 ⊗ x2`)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,13 @@ def hf_conv1d_grads(module: nn.Module, inputs: tuple, grad_output: Tensor, train
     return _linear_grads(inputs[0], grad_output, trainable, transposed=True, what="Conv1D")
 
 
+def bilinear_grads(module: nn.Bilinear, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
+    """x1 `[B, *, d1]`, x2 `[B, *, d2]`: weight `[p, d1, d2]` as `G_i^T (x1 ⊗ x2)_i`, bias `[p]`."""
+    x1, x2 = inputs
+    outer = (x1.unsqueeze(-1) * x2.unsqueeze(-2)).flatten(-2)  # [B, *, d1 * d2]
+    return _linear_grads(outer, grad_output, trainable, transposed=False, what="nn.Bilinear")
+
+
 def is_hf_conv1d(module: nn.Module) -> bool:
     """HF transformers' `Conv1D` (GPT-2, GPT): a Linear with a transposed `[nx, nf]` weight."""
     weight = getattr(module, "weight", None)
@@ -54,5 +62,6 @@ def hf_conv1d_forward(module: nn.Module, inputs: tuple) -> Tensor:
     return y if module.bias is None else y + module.bias
 
 
-register_rule(nn.Linear, linear_grads)
-register_rule(is_hf_conv1d, hf_conv1d_grads, reference_forward=hf_conv1d_forward)
+register_rule(nn.Linear, linear_grads, position_wise=True)
+register_rule(nn.Bilinear, bilinear_grads, position_wise=True)
+register_rule(is_hf_conv1d, hf_conv1d_grads, reference_forward=hf_conv1d_forward, position_wise=True)

@@ -1,7 +1,7 @@
 """Normalisation layers: `y = x_hat * w (+ b)` with x_hat computed per sample, so `dw_i = sum_t x_hat_t * g_t`.
 
-LayerNorm, RMSNorm, GroupNorm, and HF's RMS norms (LlamaRMSNorm, T5LayerNorm, ...: a `weight` and a
-`variance_epsilon`, no bias). BatchNorm mixes samples and is refused elsewhere.
+LayerNorm, RMSNorm, GroupNorm, InstanceNorm1d/2d/3d, and HF's RMS norms (LlamaRMSNorm, T5LayerNorm, ...: a
+`weight` and a `variance_epsilon`, no bias). BatchNorm mixes samples and is refused elsewhere.
 """
 
 from __future__ import annotations
@@ -61,6 +61,39 @@ def group_norm_grads(module: nn.GroupNorm, inputs: tuple, grad_output: Tensor, t
     return _affine_grads(x_hat.movedim(1, -1), grad_output.movedim(1, -1), 1, trainable)
 
 
+def instance_norm_grads(
+    module: nn.modules.instancenorm._InstanceNorm, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]
+):
+    """x `[B, C, *S]`, normalised per sample and channel (or by the running statistics in eval mode, when
+    tracked) -> weight and bias `[B, C]`."""
+    x = inputs[0]
+    use_input_stats = module.training or not module.track_running_stats
+    x_hat = F.instance_norm(
+        x.to(accumulation_dtype(x)),
+        None if use_input_stats else module.running_mean,
+        None if use_input_stats else module.running_var,
+        use_input_stats=use_input_stats,
+        eps=module.eps,
+    )
+    return _affine_grads(x_hat.movedim(1, -1), grad_output.movedim(1, -1), 1, trainable)
+
+
+def instance_norm_call_support(module: nn.modules.instancenorm._InstanceNorm, args: tuple, kwargs: dict):
+    x = args[0] if args else next(iter(kwargs.values()))
+    if x.dim() == module._get_no_batch_dim():
+        return f"an unbatched input of shape {tuple(x.shape)}; flashdp needs a batch [B, C, ...]."
+    if module.training and module.track_running_stats:
+        return RUNNING_STATS_LEAK
+    return None
+
+
+#: why running statistics are refused in training
+RUNNING_STATS_LEAK = (
+    "track_running_stats=True in training mode: its running mean and variance average private samples with no "
+    "noise, and would leak them with the model. Set track_running_stats=False, or eval() the layer."
+)
+
+
 def _hf_rms_x_hat(module: nn.Module, x: Tensor) -> Tensor:
     x = x.to(accumulation_dtype(x))
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + module.variance_epsilon)
@@ -92,7 +125,8 @@ def hf_rms_norm_forward(module: nn.Module, inputs: tuple) -> Tensor:
     return module.weight * _hf_rms_x_hat(module, x).to(x.dtype)
 
 
-register_rule(nn.LayerNorm, layer_norm_grads)
-register_rule(nn.RMSNorm, rms_norm_grads)
+register_rule(nn.LayerNorm, layer_norm_grads, position_wise=True)
+register_rule(nn.RMSNorm, rms_norm_grads, position_wise=True)
 register_rule(nn.GroupNorm, group_norm_grads)
-register_rule(is_hf_rms_norm, hf_rms_norm_grads, reference_forward=hf_rms_norm_forward)
+register_rule(nn.modules.instancenorm._InstanceNorm, instance_norm_grads, check_call=instance_norm_call_support)
+register_rule(is_hf_rms_norm, hf_rms_norm_grads, reference_forward=hf_rms_norm_forward, position_wise=True)

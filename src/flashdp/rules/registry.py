@@ -21,8 +21,14 @@ PerCallGradsFn = Callable[[LayerCall], Mapping[str, PerSampleGrad]]
 #: `(module, inputs) -> output`: the forward a rule assumes, to check a module really computes it.
 ReferenceForward = Callable[[nn.Module, tuple], Tensor]
 
+#: `module -> dim of the batch in every output tensor`, or `-> (dim per output tensor, in output order)`.
+BatchDim = Callable[[nn.Module], int | tuple[int, ...]]
+
 #: `module -> reason it is not supported, or None`.
 SupportCheck = Callable[[nn.Module], str | None]
+
+#: `(module, args, kwargs) -> reason this forward call is not supported, or None`: checked as the call is made.
+CallCheck = Callable[[nn.Module, tuple, dict], str | None]
 
 
 @dataclass(frozen=True)
@@ -35,10 +41,18 @@ class Rule:
     params: tuple[str, ...] | None = None
     reference_forward: ReferenceForward | None = None
     check: SupportCheck | None = None
+    check_call: CallCheck | None = None
+    #: `module -> whether its next forward draws random numbers` (dropout in training): the random state is then
+    #: saved before each call, for the rule to replay the same draws (`LayerCall.rng_state`)
+    random: Callable[[nn.Module], bool] | None = None
     #: per_sample_grads takes the whole `LayerCall`
     per_call: bool = False
-    #: `module -> dim` of the batch in the call's inputs and output (e.g. 1 for time-major recurrent layers)
-    batch_dim: Callable[[nn.Module], int] | None = None
+    #: every dim of the layer's input and output but the last is a position (Linear, LayerNorm, Embedding): a
+    #: call with the batch in another dim (time-major) is handed to the rule with the batch moved to dim 0
+    position_wise: bool = False
+    #: `module -> dim` of the batch in the call's outputs (e.g. 1 for time-major recurrent layers), or a dim per
+    #: tensor in the output (`nn.LSTM`'s output, h_n, c_n)
+    batch_dim: BatchDim | None = None
 
     @property
     def name(self) -> str:
@@ -58,6 +72,9 @@ class RuleMatch:
     #: the module computes `output_scale` times its rule's forward (e.g. a scaled embedding): its output gradient
     #: is scaled so before the rule sees it
     output_scale: float = 1.0
+    #: the batch dim of the module's calls, where it was found to be another than the rule's (a position-wise
+    #: rule's layer called time-major)
+    batch_dim: int | None = None
 
 
 _TYPE_RULES: dict[type, Rule] = {}
@@ -71,8 +88,11 @@ def register_rule(
     params: tuple[str, ...] | None = None,
     reference_forward: ReferenceForward | None = None,
     check: SupportCheck | None = None,
+    check_call: CallCheck | None = None,
+    random: Callable[[nn.Module], bool] | None = None,
     per_call: bool = False,
-    batch_dim: Callable[[nn.Module], int] | None = None,
+    batch_dim: BatchDim | None = None,
+    position_wise: bool = False,
 ) -> None:
     """Teach flashdp the per-sample gradients of a layer type. (Without a rule, a module gets the generic one:
     per-sample gradients by `torch.func`; a rule is a faster path.)
@@ -89,9 +109,20 @@ def register_rule(
             are checked against it on their first call (default for classes: the class's own `forward`, checked
             when a subclass overrides it).
         check: `module -> reason or None`, for configurations the rule cannot handle.
+        check_call: `(module, args, kwargs) -> reason or None`, for forward calls the rule cannot handle (an
+            unbatched input, dropout in training mode): checked in the forward, as the call is made.
+        random: `module -> whether its next forward draws random numbers` (dropout in training mode): the random
+            number generators' state is then saved before each such call, as `LayerCall.rng_state`, for a
+            `per_call` rule that recomputes the forward to replay the same draws (`flashdp.rules.recompute`).
         per_call: per_sample_grads takes one `flashdp.per_sample.LayerCall` (keyword inputs, several outputs,
             the parameters as the call held them) instead of `(module, inputs, grad_output, trainable)`.
-        batch_dim: `module -> dim` of the batch in the call's inputs and output, when not 0 (time-major layers).
+        batch_dim: `module -> dim` of the batch in the call's outputs, when not 0 (time-major layers), or a tuple
+            of dims, one per tensor of the output in `torch.utils._pytree.tree_leaves` order (`nn.LSTM`: output,
+            h_n, c_n). A rule with a batch dim other than 0 should be `per_call`: a simple rule's inputs are batch
+            first.
+        position_wise: every dim of the input and output but the last is a position (the rule sums over them): a
+            call found to have the batch in another dim (a time-major `[T, B, d]` input) is then handed to the rule
+            with the batch moved to dim 0, instead of going to the generic rule of an enclosing module.
 
     Example:
         >>> def scale_grads(module, inputs, grad_output, trainable):
@@ -99,7 +130,17 @@ def register_rule(
         ...     return {"scale": (x * grad_output).flatten(1).sum(1, keepdim=True)}
         >>> flashdp.register_rule(MyScale, scale_grads)
     """
-    rule = Rule(per_sample_grads, params, reference_forward, check, per_call, batch_dim)
+    rule = Rule(
+        per_sample_grads,
+        params,
+        reference_forward,
+        check,
+        check_call,
+        random,
+        per_call=per_call,
+        position_wise=position_wise,
+        batch_dim=batch_dim,
+    )
     if isinstance(layer, type):
         if not issubclass(layer, nn.Module):
             raise TypeError(f"register_rule: expected an nn.Module subclass or a predicate, got class {layer!r}.")

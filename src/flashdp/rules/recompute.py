@@ -1,0 +1,72 @@
+"""What the rules that re-run a layer's forward share: the autocast region it ran in, the check that the re-run
+gives the recorded output, and the refusal of calls they cannot take apart by sample."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from flashdp.errors import FlashDPError
+from flashdp.per_sample import LayerCall
+
+#: Relative error allowed between a recorded output and its recomputation (which may round differently).
+_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+def autocast_like(call: LayerCall) -> contextlib.AbstractContextManager:
+    """The autocast region the call ran in (none: a null context)."""
+    if call.autocast is None:
+        return contextlib.nullcontext()
+    device_type, dtype = call.autocast
+    return torch.autocast(device_type, dtype=dtype)
+
+
+@contextlib.contextmanager
+def replayed_random_state(call: LayerCall) -> Iterator[None]:
+    """Inside: the random number generators as the call found them (its recomputation draws the same dropout
+    masks); after: as they were."""
+    state = call.rng_state
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[state.device] if state.cuda is not None else []):
+        torch.set_rng_state(state.cpu)
+        if state.cuda is not None:
+            torch.cuda.set_rng_state(state.cuda, state.device)
+        yield
+
+
+def check_recomputed(label: str, recorded: Tensor | None, again: Tensor, how: str) -> None:
+    """Raise unless `again` (the output recomputed `how`) equals the recorded output, up to rounding.
+    recorded None: not kept (nothing to compare)."""
+    if recorded is None:
+        return
+    if recorded.shape != again.shape:
+        raise FlashDPError(
+            f"flashdp recomputed {label}'s output {how} and got shape {tuple(again.shape)}, not the recorded "
+            f"{tuple(recorded.shape)}: its batch is not where its rule expects it. Register a rule for its type "
+            "with flashdp.register_rule(...)."
+        )
+    tolerance = _TOLERANCE.get(recorded.dtype, 3e-2)
+    scale = recorded.detach().double().norm().clamp_min(1e-30)
+    error = (again.detach().double() - recorded.detach().double()).norm() / scale
+    if not bool(error <= tolerance):
+        raise FlashDPError(
+            f"flashdp recomputed {label}'s output {how} and got another result (relative difference "
+            f"{float(error):.2g}): its forward is random (dropout in training mode), keeps state between calls, or "
+            "mixes samples. Make it deterministic (eval(), or dropout 0), or freeze its parameters."
+        )
+
+
+def require_own_batch(call: LayerCall, what: str) -> None:
+    """A rule that takes a call apart by sample needs the call's own batch: refuse outputs shared across the
+    batch and batches folded into rows."""
+    if any(call.shared) or call.rows_per_sample != 1:
+        how = "a batch folded into rows" if call.rows_per_sample != 1 else "a batch of 1 broadcast over the batch"
+        raise FlashDPError(
+            f"{what} {call.label} was called on {how}, which its rule cannot take apart by sample. Call it on the "
+            "batch itself (one row per sample), or freeze its parameters."
+        )

@@ -221,3 +221,29 @@ def test_tied_weights_through_layers_stay_on_their_fast_rules(mode):
     with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=1.0) as engine:
         engine.backward(per_sample_loss(model(ids)))
         assert engine.strategies["emb.weight"] != "generic"
+
+
+class ReturnsItsHidden(nn.Module):
+    """A layer without a rule returning (output, hidden), the output computed from the hidden (HF attention
+    returning its weights): autograd's gradient at the hidden also counts the path through the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 2))
+
+    def forward(self, x):
+        hidden = (x @ self.w1).tanh()
+        return hidden @ self.w2, hidden
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("hidden_in_loss", [False, True])
+def test_an_output_computed_from_another_output_is_counted_once(hidden_in_loss, mode):
+    model = ReturnsItsHidden().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+
+    def loss(s):
+        out, hidden = model(x[s])
+        return per_sample_loss(out) + (per_sample_loss(hidden) if hidden_in_loss else 0)
+
+    check_against_oracle(model, loss, 3, mode=mode)

@@ -436,7 +436,7 @@ class DPEngine:
         self._accountant.step(self.noise_multiplier, self.sample_rate or 0.0)
         self._backward_since_step = False
         self._samples_since_step = 0
-        self._timer.report(self.steps)
+        self._timer.report(self.steps, self._strategies)
 
     def epsilon(self, delta: float) -> float:
         """The epsilon spent so far at this delta (PLD, or RDP when accountant="rdp")."""

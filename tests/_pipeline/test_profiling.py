@@ -55,3 +55,32 @@ def test_nested_phases_are_counted_once():
     # counted twice, the outer phase would hold 0.31 s; a loaded machine may delay a wake-up, not by 0.2 s
     assert timer.seconds["communication"] >= 0.3
     assert 0.01 <= timer.seconds["second pass / bk sums"] < 0.2
+
+
+def test_profile_names_the_strategy_of_each_norm_once(capsys):
+    """The generic rule is the fallback a slow model should be checked for: its parameters are named."""
+
+    class WithRawParameter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.offset = nn.Parameter(torch.zeros(3))
+
+        def forward(self, x):
+            return self.lin(x) + self.offset
+
+    model = WithRawParameter()
+    engine = flashdp.make_private(
+        model, max_grad_norm=1.0, noise_multiplier=1.0, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+        expected_batch_size=4, profile=True,
+    )  # fmt: skip
+    for _ in range(2):
+        engine.backward(model(torch.randn(4, 3)).sum(1))
+        engine.step()
+    report = capsys.readouterr().err
+    assert report.count("  norms: ") == 1  # unchanged on the second step
+    counts = dict(re.findall(r"(\S+) (\d+)", report.split("norms: ")[1].splitlines()[0]))
+    assert counts == {
+        strategy: str(list(engine.strategies.values()).count(strategy)) for strategy in engine.strategies.values()
+    }
+    assert "generic 1 ('offset')" in report

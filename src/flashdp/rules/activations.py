@@ -9,7 +9,10 @@ from flashdp.rules.shapes import sum_over_positions
 
 
 def prelu_grads(module: nn.PReLU, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]) -> dict:
-    """x, G `[B, C, *]` (or `[B]`) -> weight `[B, num_parameters]`: `sum g * min(0, x)` per channel, or over all."""
+    """`sum g * min(0, x)` per channel (or over everything, for one slope): `[B, num_parameters]`, normed
+    directly.
+
+    x, G `[B, C, *]` (or `[B]` with one slope)."""
     x = inputs[0]
     slope_grad = grad_output * x.clamp(max=0).to(grad_output.dtype)
     if module.num_parameters == 1:

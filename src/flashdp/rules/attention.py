@@ -27,8 +27,11 @@ PARAMS = (
 
 
 def mha_grads(call: LayerCall) -> dict[str, PerSampleGrad]:
-    """Per-sample gradients of the trainable projections, from the recorded query, key, value `[L|S, B, *]`
-    (seq-first inside; batch-first modules are transposed as their forward does)."""
+    """Each projection is a Linear: `G_i^T A_i` for q, k, v (packed: three groups) and out_proj, with the gradients
+    at q, k, v from one batched recomputation of the attention; ghost or direct norm.
+
+    The recorded query, key, value are `[L|S, B, *]` inside (batch-first modules are transposed as their forward
+    does)."""
     module: nn.MultiheadAttention = call.module
     require_own_batch(call, "Attention layer")
     a = call.arguments()
@@ -140,7 +143,7 @@ def _stacked(xs: tuple[Tensor, Tensor, Tensor]) -> Tensor:
 
 
 def mha_batch_dims(module: nn.MultiheadAttention) -> tuple[int, int]:
-    """The output `[B, L, E]` or `[L, B, E]`; the attention weights `[B, (H,) L, S]`."""
+    """Output `[B, L, E]` (batch_first) or `[L, B, E]`; attention weights `[B, (H,) L, S]`."""
     return (0 if module.batch_first else 1, 0)
 
 

@@ -27,7 +27,9 @@ ConvTranspose = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
 
 
 def conv_grads(module: Conv, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]) -> dict[str, PerSampleGrad]:
-    """x `[B, c, *S]`, G `[B, o, *S_out]` -> weight (OuterGrad) and bias `[B, o]`."""
+    """A Linear per group on the input's windows U: weight `G_i^T U_i`, bias `sum G_i`; ghost or direct norm.
+
+    x `[B, c, *S]`, G `[B, o, *S_out]` -> weight (OuterGrad) and bias `[B, o]`."""
     x = _batched(module, inputs[0])
     out = _bias(grad_output, trainable)
     if "weight" in trainable:
@@ -39,8 +41,11 @@ def conv_grads(module: Conv, inputs: tuple, grad_output: Tensor, trainable: froz
 def conv_transpose_grads(
     module: ConvTranspose, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]
 ) -> dict[str, PerSampleGrad]:
-    """x `[B, c, *S]`, G `[B, o, *S_out]` -> weight `[c, o/g, *k]` (OuterGrad) and bias `[B, o]`: the weight
-    gradient of the convolution from G (zero-padded by `padding`) to x."""
+    """The adjoint convolution's: windows U unfolded from the output gradient, weight `x_i^T U_i` per group, bias
+    `sum G_i`; ghost or direct norm.
+
+    x `[B, c, *S]`, G `[B, o, *S_out]` -> weight `[c, o/g, *k]` (OuterGrad) and bias `[B, o]`: the weight gradient
+    of the convolution from G (zero-padded by `padding`) to x."""
     x = _batched(module, inputs[0])
     out = _bias(grad_output, trainable)
     if "weight" in trainable:

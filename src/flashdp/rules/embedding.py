@@ -15,7 +15,10 @@ from flashdp.rules.registry import register_rule
 def embedding_grads(
     module: nn.Embedding, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]
 ) -> dict[str, OuterGrad]:
-    """Weight `[V, d]`: `onehot(x_i)^T G_i` with ids `[B, T]`, G `[B, T, d]`; `padding_idx` rows get nothing."""
+    """`onehot(ids_i)^T G_i`, padding_idx rows excluded; norm by segment sums over equal ids, never a `[B, V, d]`
+    tensor.
+
+    Weight `[V, d]`, ids `[B, T]`, G `[B, T, d]`."""
     ids = inputs[0]
     if ids.dim() < 1 or ids.is_floating_point():
         raise FlashDPError(
@@ -31,9 +34,10 @@ def embedding_grads(
 
 
 def embedding_bag_grads(call: LayerCall) -> dict[str, OuterGrad]:
-    """Weight `[V, d]`: bag b's gradient is `sum_n w_bn onehot(x_bn)^T g_b`, with `w` the per-sample weights
-    ("sum"), `1 / bag size` ("mean") or 1, and 0 for padding_idx; bags are the rows of a 2-D input, or the
-    slices of a 1-D input between offsets. G `[B, d]`."""
+    """Bag b's `sum_n w_bn onehot(x_bn)^T g_b` (w: per_sample_weights, 1 / bag size for "mean", 0 for
+    padding_idx), bags as rows of a 2-D input or between offsets; norm by segment sums.
+
+    Weight `[V, d]`, G `[B, d]`."""
     require_own_batch(call, "Embedding bag")
     module: nn.EmbeddingBag = call.module
     a = call.arguments()

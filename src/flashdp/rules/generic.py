@@ -24,7 +24,10 @@ from flashdp.rules.registry import Rule
 
 
 def generic_grads(call: LayerCall) -> dict[str, Tensor]:
-    """`{name: [B, *shape]}` for every parameter in `call.params`."""
+    """`[B, *shape]` per parameter by `torch.func`: a vmap of the vjp of the module's forward, sample by sample;
+    costs one more forward and backward of the module and holds B gradients of its parameters.
+
+    Returns `{name: [B, *shape]}` for every parameter in `call.params`."""
     batch, rows = call.batch_size, call.rows_per_sample
     leaves, spec = tree_flatten((call.args, call.kwargs))
     leaves = [x.detach() if isinstance(x, Tensor) else x for x in leaves]

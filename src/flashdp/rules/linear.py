@@ -29,17 +29,23 @@ def _linear_grads(
 
 
 def linear_grads(module: nn.Linear, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
-    """`nn.Linear`: weight `[p, d]`, bias `[p]`."""
+    """`G_i^T A_i` summed over positions, bias `sum G_i`; ghost norm (tiled) or direct, by cost model.
+
+    Weight `[p, d]`, bias `[p]`."""
     return _linear_grads(inputs[0], grad_output, trainable, transposed=False, what="nn.Linear")
 
 
 def hf_conv1d_grads(module: nn.Module, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
-    """HF `Conv1D`: weight `[d, p]` (transposed), bias `[p]`."""
+    """A Linear with a transposed weight: `A_i^T G_i`, bias `sum G_i`; ghost or direct norm.
+
+    Weight `[d, p]`, bias `[p]`."""
     return _linear_grads(inputs[0], grad_output, trainable, transposed=True, what="Conv1D")
 
 
 def bilinear_grads(module: nn.Bilinear, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
-    """x1 `[B, *, d1]`, x2 `[B, *, d2]`: weight `[p, d1, d2]` as `G_i^T (x1 ⊗ x2)_i`, bias `[p]`."""
+    """A Linear on `x1 ⊗ x2`: weight `G_i^T (x1 ⊗ x2)_i`, bias `sum G_i`; ghost or direct norm.
+
+    x1 `[B, *, d1]`, x2 `[B, *, d2]`: weight `[p, d1, d2]`, bias `[p]`."""
     x1, x2 = inputs
     outer = (x1.unsqueeze(-1) * x2.unsqueeze(-2)).flatten(-2)  # [B, *, d1 * d2]
     return _linear_grads(outer, grad_output, trainable, transposed=False, what="nn.Bilinear")

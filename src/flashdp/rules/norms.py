@@ -43,19 +43,25 @@ def _last_dims_grads(
 
 
 def layer_norm_grads(module: nn.LayerNorm, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
-    """x `[B, ..., *normalized_shape]` -> weight and bias `[B, *normalized_shape]`."""
+    """`sum x_hat * g` and `sum g` over positions: per-sample tensors, normed directly (one fused pass).
+
+    x `[B, ..., *normalized_shape]` -> weight and bias `[B, *normalized_shape]`."""
     return _last_dims_grads(inputs[0], grad_output, module.normalized_shape, module.eps, False, trainable)
 
 
 def rms_norm_grads(module: nn.RMSNorm, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
-    """x `[B, ..., *normalized_shape]` -> weight `[B, *normalized_shape]`."""
+    """`sum x_hat * g` over positions: a per-sample tensor, normed directly (one fused pass).
+
+    x `[B, ..., *normalized_shape]` -> weight `[B, *normalized_shape]`."""
     x = inputs[0]
     eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
     return _last_dims_grads(x, grad_output, module.normalized_shape, eps, True, trainable)
 
 
 def group_norm_grads(module: nn.GroupNorm, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
-    """x `[B, C, *]` -> weight and bias `[B, C]`."""
+    """`sum x_hat * g` and `sum g` per channel: per-sample tensors, normed directly.
+
+    x `[B, C, *]` -> weight and bias `[B, C]`."""
     x = inputs[0]
     x_hat = F.group_norm(x.to(accumulation_dtype(x)), module.num_groups, eps=module.eps)
     return _affine_grads(x_hat.movedim(1, -1), grad_output.movedim(1, -1), 1, trainable)
@@ -64,8 +70,10 @@ def group_norm_grads(module: nn.GroupNorm, inputs: tuple, grad_output: Tensor, t
 def instance_norm_grads(
     module: nn.modules.instancenorm._InstanceNorm, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]
 ):
-    """x `[B, C, *S]`, normalised per sample and channel (or by the running statistics in eval mode, when
-    tracked) -> weight and bias `[B, C]`."""
+    """`sum x_hat * g` and `sum g` per channel, x_hat by instance statistics (or running ones in eval mode):
+    per-sample tensors, normed directly; running statistics refused in training.
+
+    x `[B, C, *S]` -> weight and bias `[B, C]`."""
     x = inputs[0]
     use_input_stats = module.training or not module.track_running_stats
     x_hat = F.instance_norm(
@@ -100,7 +108,9 @@ def _hf_rms_x_hat(module: nn.Module, x: Tensor) -> Tensor:
 
 
 def hf_rms_norm_grads(module: nn.Module, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]):
-    """HF RMS norm over the last dim: weight `[B, d]`."""
+    """`sum x_hat * g` over positions: a per-sample tensor, normed directly (one fused pass).
+
+    x `[B, ..., d]` -> weight `[B, d]`."""
     x = inputs[0]
     return _last_dims_grads(x, grad_output, (x.shape[-1],), module.variance_epsilon, True, trainable)
 
@@ -128,5 +138,6 @@ def hf_rms_norm_forward(module: nn.Module, inputs: tuple) -> Tensor:
 register_rule(nn.LayerNorm, layer_norm_grads, position_wise=True)
 register_rule(nn.RMSNorm, rms_norm_grads, position_wise=True)
 register_rule(nn.GroupNorm, group_norm_grads)
-register_rule(nn.modules.instancenorm._InstanceNorm, instance_norm_grads, check_call=instance_norm_call_support)
+for _instance_norm in (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d):
+    register_rule(_instance_norm, instance_norm_grads, check_call=instance_norm_call_support)
 register_rule(is_hf_rms_norm, hf_rms_norm_grads, reference_forward=hf_rms_norm_forward, position_wise=True)

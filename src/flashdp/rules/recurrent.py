@@ -36,7 +36,9 @@ class _Direction:
 
 
 def recurrent_grads(call: LayerCall) -> dict[str, PerSampleGrad]:
-    """Per-sample gradients of the trainable weights of an LSTM / GRU / RNN call."""
+    """Each step is two Linears: `G^T A` summed over time for W_ih, W_hh (and an LSTM's projection), with the
+    gradients at every pre-activation from one recomputation of the recurrence, step by step; ghost or direct
+    norm."""
     module: nn.RNNBase = call.module
     require_own_batch(call, "Recurrent layer")
     x, state = _inputs(call)
@@ -175,7 +177,7 @@ def _or_zeros(grad: Tensor | None, like: Tensor) -> Tensor:
 
 
 def recurrent_batch_dims(module: nn.RNNBase) -> tuple[int, ...]:
-    """The output `[B, T, *]` or `[T, B, *]`; h_n (and c_n) `[L * D, B, *]`."""
+    """Output `[B, T, *]` (batch_first) or `[T, B, *]`; h_n (and c_n) `[L * D, B, *]`."""
     return (0 if module.batch_first else 1, 1, 1)
 
 

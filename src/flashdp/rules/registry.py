@@ -151,6 +151,11 @@ def register_rule(
         raise TypeError(f"register_rule: expected an nn.Module subclass or a predicate, got {type(layer)!r}.")
 
 
+def registered_rules() -> list[tuple[type[nn.Module] | Callable[[nn.Module], bool], Rule]]:
+    """Every registration, classes first (in registration order), then predicates (most recent first)."""
+    return [*_TYPE_RULES.items(), *_PREDICATE_RULES]
+
+
 def _class_forward(cls: type[nn.Module]) -> ReferenceForward:
     def forward(module: nn.Module, inputs: tuple) -> Tensor:
         return cls.forward(module, *inputs)

@@ -31,16 +31,52 @@ def unavailable(mode: str) -> str | None:
 
 
 def data(model_name: str, seq: int, batch: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's input and the targets. seq: tokens per sequence, or image side in pixels."""
     generator = torch.Generator().manual_seed(0)
-    if model_name == "llama":
-        ids = torch.randint(0, VOCAB, (batch, seq + 1), generator=generator)
+    if model_name in ("llama", "t5"):
+        vocab = VOCAB if model_name == "llama" else T5_SMALL["vocab_size"]
+        ids = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
         return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)  # Opacus views the ids
+    classes = 1000 if model_name == "vit" else 10
     images = torch.randn(batch, 3, seq, seq, generator=generator)
-    return images.to(device), torch.randint(0, 10, (batch,), generator=generator).to(device)
+    return images.to(device), torch.randint(0, classes, (batch,), generator=generator).to(device)
+
+
+#: HF T5-small's shape (t5-small on the Hub), randomly initialised
+T5_SMALL = {"vocab_size": 32128, "d_model": 512, "d_kv": 64, "d_ff": 2048, "num_layers": 6, "num_heads": 8}
+#: HF ViT-Base/16's shape (google/vit-base-patch16-224), randomly initialised
+VIT_BASE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+            "image_size": 224, "patch_size": 16, "num_labels": 1000}  # fmt: skip
+
+
+class Logits(torch.nn.Module):
+    """An HF model called as its model card calls it, returning its logits (one forward signature for every
+    library timed). T5: the decoder reads the same ids (teacher forcing on a copy task)."""
+
+    def __init__(self, model: torch.nn.Module, kind: str) -> None:
+        super().__init__()
+        self.model, self.kind = model, kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "vit":
+            return self.model(pixel_values=x).logits
+        return self.model(input_ids=x, decoder_input_ids=x).logits
 
 
 def build_model(model_name: str, device: str) -> torch.nn.Module:
     torch.manual_seed(0)
+    if model_name in ("vit", "t5"):
+        import transformers
+
+        config = (
+            transformers.ViTConfig(**VIT_BASE)
+            if model_name == "vit"
+            else transformers.T5Config(**T5_SMALL, dropout_rate=0.0, decoder_start_token_id=0)
+        )
+        model_class = (
+            transformers.ViTForImageClassification if model_name == "vit" else transformers.T5ForConditionalGeneration
+        )
+        return Logits(model_class(config), model_name).to(device)
     return (LlamaLike() if model_name == "llama" else SmallCNN()).to(device)
 
 

@@ -19,7 +19,8 @@ ALL = CASES | {f"peft_{name}": case for name, case in PEFT_CASES.items()}
 def test_model_is_exact(name, mode):
     case = ALL[name]()
     model = case.build().to(case.dtype).eval()
-    rtol = 1e-7 if case.dtype == torch.float64 else 1e-3  # float32: MoE routing and its kernels
+    # float64, up to what HF computes in float32 inside (T5's and Llama's norms); float32: MoE routing, its kernels
+    rtol = 1e-6 if case.dtype == torch.float64 else 1e-3
     check_against_oracle(model, lambda s: case.loss(model, s), B, mode=mode, rtol=rtol)
 
 

@@ -119,7 +119,7 @@ def _float32(case: Case) -> Case:
 
 DECODER = {"hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 2, "num_attention_heads": 2,
            "num_key_value_heads": 1, "max_position_embeddings": 16}  # fmt: skip
-ENCODER = {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 12,
+ENCODER = {"hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 12,
            "max_position_embeddings": 16, **DROPOUT_FREE}  # fmt: skip
 
 CASES: dict[str, Callable[[], Case]] = {
@@ -153,7 +153,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "vit": lambda: _vision(tf.ViTConfig, tf.ViTForImageClassification, hidden_size=8, num_hidden_layers=1,
                            num_attention_heads=2, intermediate_size=12, image_size=8, patch_size=4, **DROPOUT_FREE),
     "clip": _clip,
-    "t5": lambda: _seq2seq(tf.T5Config, tf.T5ForConditionalGeneration, d_model=8, d_kv=4, d_ff=12, num_layers=1,
+    "t5": lambda: _seq2seq(tf.T5Config, tf.T5ForConditionalGeneration, d_model=8, d_kv=4, d_ff=12, num_layers=2,
                            num_heads=2, dropout_rate=0.0, decoder_start_token_id=0),
     "bart": lambda: _seq2seq(tf.BartConfig, tf.BartForConditionalGeneration, d_model=8, encoder_layers=1,
                              decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,

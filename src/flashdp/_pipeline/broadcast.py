@@ -6,9 +6,12 @@ Autograd only sees such an output's gradient summed over the samples. Each sampl
 with that sample's rows of the cotangent alone, through the *frontier*: the first ops on the way to the loss
 whose output carries the batch that the shared tensor does not (told apart by shape: the shared tensor lacks the
 batch dim or has it at size 1). The norm pass runs with a pre-hook on each frontier node that takes the gradient
-flowing in, `[B, ...]`, and turns it into `[B, *shared shape]`: for an addition directly on the shared tensor by
-summing each sample's rows; for any other op by one small vjp per sample through the op and the shape ops below
-it. The layer's rule then sees B copies of its inputs, each with its own output gradient.
+flowing in, `[B, ...]`, and turns it into `[B, *shared shape]`: through the frontier op alone, into its input on
+the shared side (for an addition by summing each sample's rows; for any other op by applying the op's backward
+to each sample's rows), then through the batch-free ops between that input and the shared tensor, for all
+samples at once. Only the frontier's shared-side input is followed: its other inputs may reach the shared tensor
+through earlier frontiers (T5's bias, added in every layer), whose own hooks count those paths. The layer's rule
+then sees B copies of its inputs, each with its own output gradient.
 """
 
 from __future__ import annotations
@@ -26,14 +29,25 @@ MAX_DEPTH = 16
 _ADDITIONS = {"AddBackward0": 1.0, "SubBackward0": -1.0}
 
 
+@dataclass(frozen=True)
+class Frontier:
+    """An op where the batch first appears above a shared tensor."""
+
+    node: Node
+    #: the index of its forward output that carries the batch
+    output_nr: int
+    #: its inputs (`next_functions` slots) on the shared side, and the edge they point to
+    slots: tuple[int, ...]
+    child: tuple[Node, int]
+
+
 @dataclass
 class SharedOutput:
     """One output of one call, shared across the batch, and its per-sample gradient once the norm pass ran."""
 
     edge: GradientEdge
     shape: torch.Size
-    #: (frontier node, the index of its forward output that carries the batch)
-    frontiers: list[tuple[Node, int]]
+    frontiers: list[Frontier]
     per_sample: Tensor | None = field(default=None, repr=False)
 
 
@@ -54,10 +68,10 @@ def parents(loss: Tensor) -> dict[Node, list[tuple[Node, int]]]:
     return out
 
 
-def frontiers(edge: GradientEdge, graph: dict[Node, list[tuple[Node, int]]], batch: int) -> list[tuple[Node, int]]:
+def frontiers(edge: GradientEdge, graph: dict[Node, list[tuple[Node, int]]], batch: int) -> list[Frontier]:
     """Where the batch first appears above a shared tensor, on every path to the loss; [] if it does not reach the
     loss or some path gets there without meeting the batch (then it is not shared but mis-shaped)."""
-    found: list[tuple[Node, int]] = []
+    found: list[Frontier] = []
     pending = [(edge.node, edge.output_nr, 0)]
     seen: set[tuple[Node, int]] = set()
     while pending:
@@ -72,7 +86,8 @@ def frontiers(edge: GradientEdge, graph: dict[Node, list[tuple[Node, int]]], bat
         for consumer, _ in consumers:
             carrying = [j for j, m in enumerate(consumer._input_metadata) if _introduces_batch(ours, m.shape, batch)]
             if carrying:
-                found.append((consumer, carrying[0]))
+                slots = tuple(s for s, child in enumerate(consumer.next_functions) if child == (node, output_nr))
+                found.append(Frontier(consumer, carrying[0], slots, (node, output_nr)))
             else:
                 pending += [(consumer, j, depth + 1) for j in range(len(consumer._input_metadata))]
     return list(dict.fromkeys(found))
@@ -97,19 +112,19 @@ def per_sample_gradients(shared: list[SharedOutput], batch: int) -> Iterator[Non
     handles = []
     for output in shared:
         output.per_sample = None
-        for node, output_nr in output.frontiers:
+        for frontier in output.frontiers:
 
-            def hook(grad_outputs, output=output, node=node, output_nr=output_nr):
-                if busy[0] or grad_outputs[output_nr] is None:
+            def hook(grad_outputs, output=output, frontier=frontier):
+                if busy[0] or grad_outputs[frontier.output_nr] is None:
                     return
                 busy[0] = True
                 try:
-                    part = _through(node, output_nr, grad_outputs[output_nr], output, batch)
+                    part = _through(frontier, grad_outputs, output, batch)
                     output.per_sample = part if output.per_sample is None else output.per_sample + part
                 finally:
                     busy[0] = False
 
-            handles.append(node.register_prehook(hook))
+            handles.append(frontier.node.register_prehook(hook))
     try:
         yield
     finally:
@@ -117,25 +132,41 @@ def per_sample_gradients(shared: list[SharedOutput], batch: int) -> Iterator[Non
             handle.remove()
 
 
-def _through(node: Node, output_nr: int, grad: Tensor, output: SharedOutput, batch: int) -> Tensor:
-    """`[B, *shape]`: each sample's part of `grad` (the frontier's output gradient) taken back to the shared
-    tensor."""
+def _through(frontier: Frontier, grad_outputs: tuple, output: SharedOutput, batch: int) -> Tensor:
+    """`[B, *shape]`: each sample's part of the frontier's output gradient `[B, ...]`, taken back through the
+    frontier's shared-side input alone, then to the shared tensor."""
+    node, grad = frontier.node, grad_outputs[frontier.output_nr]
+    child_shape = frontier.child[0]._input_metadata[frontier.child[1]].shape
     sign = _ADDITIONS.get(node.name())
-    slots = [s for s, child in enumerate(node.next_functions) if child == (output.edge.node, output.edge.output_nr)]
-    if sign is not None and slots:  # an addition on the shared tensor itself: its gradient is the sum of rows
+    if sign is not None:  # an addition: each sample's gradient is its rows, summed to the input's shape
         alpha = float(getattr(node, "_saved_alpha", 1.0))
-        scale = sum(1.0 if slot == 0 else sign * alpha for slot in slots)
-        return scale * _sum_to(grad, output.shape, batch)
-    out = []
-    cotangent = torch.zeros_like(grad)
-    for i in range(batch):
-        cotangent[i] = grad[i]
-        (part,) = torch.autograd.grad(
-            [GradientEdge(node, output_nr)], [output.edge], grad_outputs=[cotangent], retain_graph=True
+        scale = sum(1.0 if slot == 0 else sign * alpha for slot in frontier.slots)
+        at_child = scale * _sum_to(grad, child_shape, batch)
+    else:  # any other op: its backward on each sample's rows alone
+        at_child = torch.stack(
+            [_local_backward(frontier, grad_outputs, i).sum_to_size(child_shape) for i in range(batch)]
         )
-        cotangent[i] = 0
-        out.append(part)
-    return torch.stack(out)
+    if frontier.child == (output.edge.node, output.edge.output_nr):
+        return at_child
+    (per_sample,) = torch.autograd.grad(
+        [GradientEdge(*frontier.child)], [output.edge], [at_child], retain_graph=True, is_grads_batched=True
+    )
+    return per_sample
+
+
+def _local_backward(frontier: Frontier, grad_outputs: tuple, sample: int) -> Tensor:
+    """The frontier op's backward on sample `sample`'s rows of its output gradient, summed over its shared-side
+    inputs (not reduced to their shape)."""
+    rows = []
+    for nr, g in enumerate(grad_outputs):
+        if g is None:
+            g = torch.zeros(frontier.node._input_metadata[nr].shape)
+        only = torch.zeros_like(g)
+        only[sample] = g[sample] if nr == frontier.output_nr else 0
+        rows.append(only)
+    grads = frontier.node(*rows)
+    grads = grads if isinstance(grads, tuple) else (grads,)
+    return sum(grads[slot] for slot in frontier.slots)
 
 
 def _sum_to(grad: Tensor, shape: torch.Size, batch: int) -> Tensor:

@@ -167,9 +167,9 @@ def _run_rule(
     rows = _rows_per_sample(call, site, batch, shared)
     if not rule.per_call:
         inputs, shape = call.inputs, call.output_meta[0].shape
-        grad_output = grads[0].view(shape) * site.match.output_scale
+        grad_output = _scaled(grads[0].view(shape), site.match.output_scale)
         if 0 in shared:
-            grad_output, inputs = _as_batch(shared[0] * site.match.output_scale, shape, inputs, batch)
+            grad_output, inputs = _as_batch(_scaled(shared[0], site.match.output_scale), shape, inputs, batch)
         elif rows > 1:  # B * k rows: as [B, k, ...]
             grad_output, inputs = _unfold_rows(grad_output, batch), tuple(_unfold_rows(x, batch) for x in inputs)
         elif site.match.batch_dim:  # a position-wise layer called with the batch in another dim: moved to dim 0
@@ -207,6 +207,11 @@ def _rows_per_sample(call: Call, site: Site, batch: int, shared: dict[int, Tenso
         if j not in shared and len(meta.shape) > dim
     }
     return max(sizes, default=batch) // batch if batch else 1
+
+
+def _scaled(grad: Tensor, scale: float) -> Tensor:
+    """The output gradient a rule sees for a module computing `scale` times its forward (no copy when 1)."""
+    return grad if scale == 1.0 else grad * scale
 
 
 def _batch_first(x: object, dim: int, batch: int) -> object:

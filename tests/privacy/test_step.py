@@ -180,6 +180,20 @@ def test_resume_with_other_settings_is_refused():
         ({"expected_batch_size": 0}, "expected_batch_size must be a positive int"),
         ({"noise_multiplier": -1.0}, "noise_multiplier must be a finite number >= 0"),
         ({"accountant": "gdp"}, "accountant must be one of"),
+        ({"noise_multiplier": True}, "noise_multiplier must be a finite number >= 0. Received True"),
+        ({"sample_rate": True}, r"in \(0, 1\]\. Received True"),
+        ({"expected_batch_size": True}, "expected_batch_size must be a positive int"),
+        ({"max_grad_norm": True}, "max_grad_norm must be a positive finite number"),
+        ({"seed": True}, "seed must be an int or None"),
+        ({"nonfinite": "ignore"}, "nonfinite must be one of"),
+        (
+            {"noise_multiplier": None, "target_epsilon": True, "target_delta": 1e-5, "steps": 5},
+            "target_epsilon must be a positive finite number",
+        ),
+        (
+            {"noise_multiplier": None, "target_epsilon": 1.0, "target_delta": 1e-5, "steps": True},
+            "steps must be a positive int",
+        ),
         ({"noise_multiplier": None, "target_epsilon": 1.0, "steps": 10}, "needs target_delta"),
         (
             {"noise_multiplier": None, "target_epsilon": 1.0, "target_delta": 1e-5},

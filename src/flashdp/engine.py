@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import secrets
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flashdp._pipeline import broadcast, coverage, guards, self_check
+from flashdp._pipeline import broadcast, coverage, guards, nonfinite, self_check
 from flashdp._pipeline.clipping import Clipping, clip_coefficients
 from flashdp._pipeline.norm_pass import batch_dims, check_calls, output_gradients, per_param_gradients
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice
@@ -21,7 +22,7 @@ from flashdp._pipeline.profiling import PhaseTimer, profiling_requested
 from flashdp._pipeline.provenance import GradientProvenance
 from flashdp._pipeline.recorder import Call, Recorder
 from flashdp._pipeline.scan import GradientPlan, scan_model
-from flashdp._pipeline.settings import DEFAULT_SELF_CHECK_INTERVAL, EngineSettings, Mode
+from flashdp._pipeline.settings import DEFAULT_SELF_CHECK_INTERVAL, EngineSettings, Mode, NonFinite
 from flashdp.distributed import Adapter, adapter_for
 from flashdp.distributed.checks import check_global_batch, check_norm_group, check_same_samples
 from flashdp.errors import FlashDPError
@@ -69,10 +70,10 @@ class DPEngine:
         self.norm_group = norm_group
         self._norm_group_checked = norm_group is None
         if settings.secure_rng:  # checked before the adapter changes anything on a wrapper
-            self._noise = NoiseSource(settings.seed, secure=True)
+            self._noise = NoiseSource(None, "secure")
         else:
             seed = secrets.randbits(63) if settings.seed is None else settings.seed
-            self._noise = NoiseSource(self._adapter.noise_seed(seed))
+            self._noise = NoiseSource(self._adapter.noise_seed(seed), "secret" if settings.seed is None else "seeded")
         if norm_group is not None:
             check_norm_group(norm_group, self._adapter.dp_group)
         self._hooked = [site.module for site in plan.sites.values()]
@@ -92,6 +93,9 @@ class DPEngine:
         self._check_generator = torch.Generator().manual_seed(0)
         self._last_loss_node: int | None = None
         self._shared_sites: set[int] = set()  # modules whose outputs are shared across the batch
+        self._skipped_samples = 0
+        #: called by step() once the clipped sums are in .grad, before the noise (the canary audit adds its own)
+        self._before_noise: list[Callable[[], None]] = []
 
     @property
     def _plan(self) -> GradientPlan:
@@ -106,6 +110,11 @@ class DPEngine:
     @property
     def max_grad_norm(self) -> float:
         return self.settings.max_grad_norm
+
+    @property
+    def skipped_samples(self) -> int:
+        """Samples given a zero contribution so far because their gradient was not finite (nonfinite="skip")."""
+        return self._skipped_samples
 
     @property
     def strategies(self) -> dict[str, str]:
@@ -130,12 +139,11 @@ class DPEngine:
             raise self._no_forward_error(loss)
         self._last_loss_node = id(loss.grad_fn)
         batch = loss.shape[0]
-        self._backward_since_step = True
-        self._samples_since_step += batch
         if not self._norm_group_checked:
             check_same_samples(loss, self.norm_group)
             self._norm_group_checked = True
         if batch == 0 and self._adapter.world_size == 1:
+            self._backward_since_step = True
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
         # an empty batch on one rank of several still runs every pass: the wrappers' collectives must match
         checking = self._self_check_due()
@@ -181,16 +189,22 @@ class DPEngine:
             # what its clipped sum needs (a directly-normed layer keeps only its per-sample gradient).
             del calls, output_grads, shared, shared_grads
             norms = self._norms(grads, keep_for_sum=not second_pass)
+            clip_norms_sq = _group_norms_sq(norms, len(plan.clip_group_names), batch, loss.device)
+            if not nonfinite.all_finite(clip_norms_sq):  # a float32 norm that overflowed, or a NaN/inf gradient
+                norms = nonfinite.recompute_overflowed(norms, grads)
+                clip_norms_sq = _group_norms_sq(norms, len(plan.clip_group_names), batch, loss.device)
             del grads
-            if checking:
-                self._check_per_sample(loss, norms, held, self_check.tolerance(dtypes), retain_graph=second_pass)
-            clip_norms_sq = torch.zeros(len(plan.clip_group_names), batch, dtype=torch.float64, device=loss.device)
-            for param, norm in norms:
-                clip_norms_sq[param.clip_group] += norm.norm_sq.to(clip_norms_sq.dtype)
             if self.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
                 with self._timer.phase("communication"):
                     dist.all_reduce(clip_norms_sq, op=dist.ReduceOp.SUM, group=self.norm_group)
-            coef = clip_coefficients(self.settings.clipping, clip_norms_sq, self.max_grad_norm)
+            skipped = nonfinite.nonfinite_samples(self.settings.nonfinite, clip_norms_sq, norms, self._adapter.dp_group)
+            if checking:
+                self._check_per_sample(loss, norms, held, self_check.tolerance(dtypes), retain_graph=second_pass)
+            coef = self._clip_coefficients(clip_norms_sq)
+            if skipped is not None:  # (bk only: a second backward would carry their NaN into every parameter)
+                coef = coef.masked_fill(skipped, 0.0)
+                norms = [(param, norm.dropping(~skipped)) for param, norm in norms]
+                self._skipped_samples += int(skipped.sum())
         with self._timer.phase("second pass / bk sums"):
             if second_pass:
                 del norms
@@ -201,7 +215,13 @@ class DPEngine:
                         self._adapter.accumulate(param, norm.plan.clipped_sum(coef[param.clip_group]))
                     self._adapter.accumulation_done()
         self._provenance.record(self._adapter.accumulated_gradients(plan.params))
+        self._backward_since_step = True
+        self._samples_since_step += batch
         return clip_norms_sq.sum(0).sqrt().float()
+
+    def _clip_coefficients(self, group_norms_sq: Tensor) -> Tensor:
+        """`[L, B]` clipping coefficients from `[L, B]` squared norms of the clipping groups."""
+        return clip_coefficients(self.settings.clipping, group_norms_sq, self.max_grad_norm)
 
     def _cover(self, loss: Tensor, calls: list[Call], batch: int) -> bool:
         """Make every trainable parameter's use counted: parameters used outside the site counting them, and those
@@ -419,6 +439,8 @@ class DPEngine:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+            for add in self._before_noise:
+                add()
             with self._timer.phase("communication"):
                 self._adapter.reduce_gradients(params)
             with self._timer.phase("noise"):
@@ -450,22 +472,34 @@ class DPEngine:
         return self._accountant.epsilon(float(delta))
 
     def state_dict(self) -> dict:
-        """What a resumed run needs to report the same epsilon and continue the same noise stream."""
+        """What a resumed run needs to report the same epsilon: the settings it must match and the accountant's
+        history. The noise generators' state only when the run was seeded (`make_private(seed=...)`): it is the
+        secret that removes the noise, so an unseeded run keeps it out of checkpoints and draws fresh noise when
+        resumed; a seeded run resumes bitwise."""
         return {
-            "noise_multiplier": self.noise_multiplier,
-            "sample_rate": self.sample_rate,
-            "max_grad_norm": self.max_grad_norm,
+            **{key: getattr(self, key) for key in _RESUMED_SETTINGS},
             "accountant": self._accountant.state_dict(),
             "noise": self._noise.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("noise_multiplier", "sample_rate", "max_grad_norm"):
+        """Resume from `state_dict()`: all of it is checked before anything is loaded."""
+        if not isinstance(state, dict):
+            raise FlashDPError(f"load_state_dict expects engine.state_dict()'s dict. Received {type(state).__name__}.")
+        missing = [key for key in (*_RESUMED_SETTINGS, "accountant", "noise") if key not in state]
+        if missing:
+            raise FlashDPError(
+                f"Cannot resume: the checkpoint lacks {', '.join(map(repr, missing))} (it has {sorted(state)}). "
+                "Pass what engine.state_dict() returned; nothing was loaded."
+            )
+        for key in _RESUMED_SETTINGS:
             if state[key] != getattr(self, key):
                 raise FlashDPError(
                     f"Cannot resume: the checkpoint has {key}={state[key]!r}, this engine {getattr(self, key)!r}. "
                     "Build the engine with the settings of the run you resume."
                 )
+        self._accountant.check_state(state["accountant"])
+        self._noise.check_state(state["noise"])
         self._accountant.load_state_dict(state["accountant"])
         self._noise.load_state_dict(state["noise"])
 
@@ -486,6 +520,18 @@ class DPEngine:
         if not self._detach.alive:
             raise FlashDPError("This engine was detached; call flashdp.make_private(model, ...) again.")
         return self._recorder
+
+
+#: the settings a resumed run must share with the checkpointed one
+_RESUMED_SETTINGS = ("noise_multiplier", "sample_rate", "max_grad_norm")
+
+
+def _group_norms_sq(norms: list[tuple[TrainableParam, ParamNorm]], groups: int, batch: int, device) -> Tensor:
+    """`[L, B]` float64 squared norms of the L clipping groups."""
+    total = torch.zeros(groups, batch, dtype=torch.float64, device=device)
+    for param, norm in norms:
+        total[param.clip_group] += norm.norm_sq.to(total.dtype)
+    return total
 
 
 def _lacks_batch(shape: torch.Size, dim: int, batch: int) -> bool:
@@ -524,6 +570,7 @@ def make_private(
     norm_group: dist.ProcessGroup | None = None,
     profile: bool | None = None,
     self_check: int | None = DEFAULT_SELF_CHECK_INTERVAL,
+    nonfinite: NonFinite = "error",
 ) -> DPEngine:
     """Make training of `model` differentially private. The model is not wrapped: its state_dict, type and
     methods are unchanged; `engine.detach()` removes every hook.
@@ -556,6 +603,11 @@ def make_private(
             layer's output rows are per-sample; a disagreement raises FlashDPError naming the parameters or layers
             and the likely cause. None turns it off. It costs about three backward passes when it runs. Not run
             under FSDP1, which cannot take a second pass over one forward.
+        nonfinite: what backward does with a sample whose gradient is NaN or inf (its loss finite): "error" raises
+            FlashDPError naming the samples before any `.grad` changes; "skip" (bk, or per_layer clipping) gives
+            them a zero contribution, counted in `engine.skipped_samples`, and returns their norm as NaN or inf.
+            Either way no non-finite value reaches a parameter. A finite norm too large for float32 is recomputed
+            in float64 and clipped like any other.
 
     The model may be wrapped by DistributedDataParallel or sharded with FSDP2 (`fully_shard`) or FSDP1
     (`FullyShardedDataParallel`); then expected_batch_size and sample_rate are global (all ranks), and every rank
@@ -571,6 +623,7 @@ def make_private(
         secure_rng=secure_rng,
         profile=profiling_requested(profile),
         self_check=self_check,
+        nonfinite=nonfinite,
     )
     privacy = PrivacyRequest(
         noise_multiplier=noise_multiplier,

@@ -35,13 +35,19 @@ class AdapterSuite:
             for got, expected in zip(rank["params"], model.parameters(), strict=True):
                 torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)
 
+    def test_a_nan_gradient_on_one_rank_stops_every_rank(self):
+        said = run(workloads.rank_with_a_nan_gradient, self.wrapper, "bk")
+        assert "sample 2 is not finite" in said[1]
+        assert "A sample on another rank" in said[0]
+
     @pytest.mark.parametrize("mode", ["bk", "ghost"])
     def test_backward_runs_only_the_gradient_collectives_of_its_clipped_sums(self, mode):
-        """The norm pass syncs nothing. The clipped sums: under DDP reduced at step(); under FSDP2 one
+        """The norm pass syncs nothing. Then one all-reduce of one flag, so that every rank stops together when a
+        sample's gradient is not finite. The clipped sums: under DDP reduced at step(); under FSDP2 one
         reduce-scatter per unit (bk: flashdp's, ghost: FSDP2's own in the second backward); under FSDP1 (one
         backward in every mode) one reduce-scatter per unit."""
         for rank in run(workloads.count_backward_collectives, self.wrapper, mode):
-            expected = {"ddp": 0, "fsdp2": rank["fsdp2_units"]}.get(self.wrapper, rank["fsdp1_units"])
+            expected = 1 + {"ddp": 0, "fsdp2": rank["fsdp2_units"]}.get(self.wrapper, rank["fsdp1_units"])
             assert len(rank["gradient_collectives"]) == expected, rank["gradient_collectives"]
 
 

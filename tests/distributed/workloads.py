@@ -126,3 +126,20 @@ def count_backward_collectives(rank: int, wrapper: str, mode: str) -> dict:
         "fsdp1_units": len(FullyShardedDataParallel.fsdp_modules(wrapped)),
         "fsdp2_units": sum(isinstance(m, FSDPModule) for m in wrapped.modules()),
     }
+
+
+def rank_with_a_nan_gradient(rank: int, wrapper: str, mode: str) -> str:
+    """Rank 1's third sample has a finite loss and a NaN gradient; what each rank's backward says."""
+    wrapped = wrap(build_model(), wrapper)
+    engine = flashdp.make_private(wrapped, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    ids = global_batch()[rank * 4 : rank * 4 + 4]
+    logits = wrapped(ids)
+    loss = nn.functional.cross_entropy(logits.transpose(1, 2), ids, reduction="none").mean(1)
+    if rank == 1:  # sqrt'(0) * 0 = NaN in sample 2's gradient only
+        zero = (logits[2] - logits[2].detach()).sum().abs().sqrt()
+        loss = torch.cat([loss[:2], (loss[2] + zero)[None], loss[3:]])
+    try:
+        engine.backward(loss)
+    except flashdp.FlashDPError as error:
+        return str(error)
+    return "no error"

@@ -44,6 +44,27 @@ class ClippedSumPlan:
             parts.append(blocks.token_clipped_sum(self.tokens, coef))
         return functools.reduce(torch.add, (p.reshape(self.shape) for p in parts))
 
+    def dropping(self, keep: Tensor) -> ClippedSumPlan:
+        """The plan without the samples where `keep` `[B]` is False: their rows are zeros (a NaN or inf in them
+        would survive a zero coefficient, 0 * NaN being NaN)."""
+        return ClippedSumPlan(
+            self.shape,
+            None if self.per_sample is None else _zero_rows(self.per_sample, keep),
+            None if self.factors is None else _drop_samples(self.factors, keep),
+            None if self.tokens is None else _drop_samples(self.tokens, keep),
+        )
+
+
+def _zero_rows(rows: Tensor, keep: Tensor) -> Tensor:
+    """`rows` `[N, ...]` with row n zeroed where `keep[n]` is False."""
+    return torch.where(keep.view(-1, *([1] * (rows.dim() - 1))), rows, rows.new_zeros(()))
+
+
+def _drop_samples(block: OuterGrad, keep: Tensor) -> OuterGrad:
+    rows = keep.repeat_interleave(block.conv_groups)  # sample b owns rows b * groups + j
+    left = block.left if block.is_tokens else _zero_rows(block.left, rows)
+    return OuterGrad(left, _zero_rows(block.right, rows), block.conv_groups)
+
 
 @dataclass(frozen=True)
 class ParamNorm:
@@ -53,6 +74,10 @@ class ParamNorm:
     strategy: str
     #: what the clipped sum needs; None unless asked for (ghost and flash take theirs from a second backward)
     plan: ClippedSumPlan | None
+
+    def dropping(self, keep: Tensor) -> ParamNorm:
+        """Without the samples where `keep` `[B]` is False in the clipped sum (see `ClippedSumPlan.dropping`)."""
+        return ParamNorm(self.norm_sq, self.strategy, None if self.plan is None else self.plan.dropping(keep))
 
 
 class ParamGradient:
@@ -112,6 +137,14 @@ class ParamGradient:
             return ParamNorm(sum_of_squares(self.per_sample), "generic" if self.generic else "per-sample", plan)
         return self._blocks_norm_sq(keep_for_sum)
 
+    def norm_sq_float64(self) -> Tensor:
+        """The `[B]` squared norms recomputed in float64 (where float32 overflowed: a per-sample norm above about
+        1.8e19), from the factors where there are any, never from a float32 product of them."""
+        wide = ParamGradient(self.name, self.shape, self.batch_size, self.strategy_choice)
+        wide.per_sample = None if self.per_sample is None else self.per_sample.double()
+        wide.blocks = [_float64(b) for b in self.blocks]
+        return wide.norm_sq(keep_for_sum=False).norm_sq
+
     def _blocks_norm_sq(self, keep_for_sum: bool) -> ParamNorm:
         dtype = accumulation_dtype(*(b.right for b in self.blocks))
         dense = [b for b in self.blocks if not b.is_tokens]
@@ -152,3 +185,8 @@ class ParamGradient:
             return self.strategy_choice
         p, d = factors.block_shape
         return blocks.norm_strategy(factors.right.shape[1], p, d)
+
+
+def _float64(block: OuterGrad) -> OuterGrad:
+    left = block.left if block.is_tokens else block.left.double()
+    return OuterGrad(left, block.right.double(), block.conv_groups)

@@ -126,6 +126,8 @@ def check_per_sample(
             continue
         true = [torch.zeros_like(c.tensor) if g is None else g for c, g in zip(counted, true, strict=True)]
         total = math.sqrt(sum(float(g.double().square().sum()) for g in true))
+        if not math.isfinite(total):  # a non-finite gradient: the nonfinite policy's, not a disagreement
+            continue
         problems = [p for c, g in zip(counted, true, strict=True) if (p := _disagreement(c, g, i, rtol, total))]
         if problems:
             raise FlashDPError(

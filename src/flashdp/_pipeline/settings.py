@@ -13,6 +13,9 @@ from flashdp.kernels import BACKENDS, Backend, triton_unavailable_reason
 Mode = Literal["ghost", "flash", "bk"]
 MODES: tuple[str, ...] = ("ghost", "flash", "bk")
 NORM_STRATEGIES: tuple[str, ...] = ("auto", "ghost", "direct")
+#: what a backward does with samples whose per-sample gradient is not finite (NaN or inf)
+NonFinite = Literal["error", "skip"]
+NONFINITE_POLICIES: tuple[str, ...] = ("error", "skip")
 #: backward calls between two self-checks by default (the first backward is always checked)
 DEFAULT_SELF_CHECK_INTERVAL = 200
 
@@ -29,6 +32,8 @@ class EngineSettings:
     seed: int | None = None
     secure_rng: bool = False
     profile: bool = False
+    #: "error": raise, naming the samples, before any gradient changes; "skip": their contribution is zero
+    nonfinite: NonFinite = "error"
     #: the self-check runs on the first backward and then every `self_check` backward calls; None: never
     self_check: int | None = DEFAULT_SELF_CHECK_INTERVAL
     backend: str = field(init=False)
@@ -39,8 +44,19 @@ class EngineSettings:
         object.__setattr__(self, "backend", self._resolve_backend())
         _check_choice("clipping", self.clipping, CLIPPING_STYLES)
         _check_choice("norm_strategy", self.norm_strategy, NORM_STRATEGIES)
+        _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        if self.nonfinite == "skip" and self.second_backward:
+            raise FlashDPError(
+                f"nonfinite='skip' needs mode='bk' (or per_layer clipping): mode={self.mode!r} fills .grad by a "
+                "second backward, which carries a skipped sample's NaN into every parameter (0 * NaN is NaN). Use "
+                "mode='bk', or nonfinite='error'."
+            )
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise FlashDPError(f"seed must be an int or None. Received {self.seed!r}.")
+        if self.secure_rng and self.seed is not None:
+            raise FlashDPError("secure_rng=True draws from the OS CSPRNG and cannot be seeded; pass seed=None.")
         c = self.max_grad_norm
-        if not (isinstance(c, int | float) and 0 < c < float("inf")):
+        if not (isinstance(c, int | float) and not isinstance(c, bool) and 0 < c < float("inf")):
             raise FlashDPError(f"max_grad_norm must be a positive finite number. Received {c!r}.")
         interval = self.self_check
         if interval is not None and not (isinstance(interval, int) and not isinstance(interval, bool) and interval > 0):

@@ -1,9 +1,14 @@
-"""Gaussian noise for DP-SGD, from the engine's own generators (one per device), or from the OS CSPRNG."""
+"""Gaussian noise for DP-SGD, from the engine's own generators (one per device), or from the OS CSPRNG.
+
+The generators' state is the noise secret: whoever holds it can regenerate every past and future draw and subtract
+it from the model. It goes into checkpoints only when the user chose a seed (and so already gave the secret away
+for reproducibility); otherwise a resumed run draws fresh noise from fresh entropy.
+"""
 
 from __future__ import annotations
 
 import math
-import secrets
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -11,26 +16,32 @@ from torch import Tensor
 from flashdp.errors import FlashDPError
 from flashdp.privacy import csprng
 
+#: how the noise is drawn: "seeded" (reproducible, checkpointed), "secret" (seeded from OS entropy, never
+#: checkpointed) or "secure" (the OS CSPRNG, no state)
+NoiseKind = Literal["seeded", "secret", "secure"]
+NOISE_KINDS: tuple[str, ...] = ("seeded", "secret", "secure")
+
 
 class NoiseSource:
     """Draws `N(0, std^2)` tensors.
 
-    seed: None seeds from OS entropy (the private default); an int makes runs reproducible and is NOT private
-        (whoever knows the seed can subtract the noise).
-    secure: draw from the OS CSPRNG (`os.urandom`) with the Box-Muller transform in float64 instead of torch's
-        Philox/Mersenne generators. Slower; not reproducible, so its state is not checkpointed. Like every
-        floating-point Gaussian sampler it does not defend against floating-point attacks (Mironov, CCS 2012).
+    seed: the seed of torch's generators (Philox/Mersenne), one per device (`seed + k` for the k-th device).
+    kind: "seeded" when the user chose the seed (reproducible, NOT private against whoever knows the seed: it is
+        kept in checkpoints for a bitwise resume); "secret" when it came from OS entropy (never checkpointed);
+        "secure" draws from the OS CSPRNG (`os.urandom`) with the Box-Muller transform in float64 instead (slower,
+        not reproducible, no seed). Like every floating-point Gaussian sampler it does not defend against
+        floating-point attacks (Mironov, CCS 2012).
     """
 
-    def __init__(self, seed: int | None = None, secure: bool = False) -> None:
-        if secure and seed is not None:
-            raise FlashDPError("secure_rng=True draws from the OS CSPRNG and cannot be seeded; pass seed=None.")
-        self.secure = secure
-        self.seed = secrets.randbits(63) if seed is None else int(seed)
+    def __init__(self, seed: int | None, kind: NoiseKind) -> None:
+        if (seed is None) != (kind == "secure"):
+            raise ValueError(f"NoiseSource: a {kind!r} source {'takes no' if kind == 'secure' else 'needs a'} seed.")
+        self.kind = kind
+        self._seed = seed
         self._generators: dict[str, torch.Generator] = {}
 
     def gaussian(self, shape: torch.Size, std: float, device: torch.device, dtype: torch.dtype) -> Tensor:
-        if self.secure:
+        if self.kind == "secure":
             return (csprng.standard_normal(math.prod(shape)) * std).view(shape).to(device=device, dtype=dtype)
         noise = torch.empty(shape, device=device, dtype=torch.float32 if dtype in _HALF else dtype)
         noise.normal_(0.0, std, generator=self._generator(device))
@@ -40,26 +51,50 @@ class NoiseSource:
         key = str(device)
         if key not in self._generators:
             generator = torch.Generator(device=device)
-            generator.manual_seed(self.seed + len(self._generators))
+            generator.manual_seed(self._seed + len(self._generators))
             self._generators[key] = generator
         return self._generators[key]
 
     def state_dict(self) -> dict:
-        if self.secure:
-            return {"secure": True}
-        return {"seed": self.seed, "generators": {k: g.get_state() for k, g in self._generators.items()}}
+        """The kind, and for a seeded source the seed and the generators' states (nothing secret otherwise)."""
+        if self.kind != "seeded":
+            return {"kind": self.kind}
+        return {
+            "kind": self.kind,
+            "seed": self._seed,
+            "generators": {k: g.get_state() for k, g in self._generators.items()},
+        }
+
+    def check_state(self, state: object) -> None:
+        """Raise FlashDPError if `state` is not a noise state this source can resume from (nothing is changed)."""
+        if not isinstance(state, dict) or state.get("kind") not in NOISE_KINDS:
+            raise FlashDPError(
+                f"Cannot resume: the checkpoint's noise state is not one flashdp wrote (expected a dict with 'kind' "
+                f"in {NOISE_KINDS}). Received {_describe(state)}."
+            )
+        if (state["kind"] == "secure") != (self.kind == "secure"):
+            raise FlashDPError("Cannot resume: the checkpoint and this engine disagree on secure_rng.")
+        if state["kind"] == "seeded" and not (
+            isinstance(state.get("seed"), int) and isinstance(state.get("generators"), dict)
+        ):
+            raise FlashDPError("Cannot resume: the checkpoint's seeded noise state lacks its seed or generators.")
 
     def load_state_dict(self, state: dict) -> None:
-        if self.secure or state.get("secure"):
-            if not (self.secure and state.get("secure")):
-                raise FlashDPError("Cannot resume: the checkpoint and this engine disagree on secure_rng.")
+        """Continue a seeded checkpoint's stream when this source is seeded too; otherwise keep this source's own
+        (fresh) noise: a secret stream is never restored, and a run resumed without a seed is private again."""
+        self.check_state(state)
+        if not (state["kind"] == "seeded" and self.kind == "seeded"):
             return
-        self.seed = state["seed"]
+        self._seed = state["seed"]
         self._generators = {}
         for key, generator_state in state["generators"].items():
             generator = torch.Generator(device=torch.device(key))
             generator.set_state(generator_state)
             self._generators[key] = generator
+
+
+def _describe(state: object) -> str:
+    return f"keys {sorted(state)}" if isinstance(state, dict) else type(state).__name__
 
 
 _HALF = (torch.float16, torch.bfloat16)

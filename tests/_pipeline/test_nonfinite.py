@@ -1,0 +1,88 @@
+"""Non-finite per-sample gradients never reach a parameter; float32 overflow of a squared norm is not one."""
+
+import pytest
+import torch
+from torch import nn
+
+import flashdp
+from flashdp import FlashDPError
+from tests import oracle
+from tests.conftest import MODES
+
+
+def _model(dtype=torch.float32, activation=nn.Tanh):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4, bias=False), activation(), nn.Linear(4, 2)).to(dtype)
+
+
+def _sqrt_loss(out):
+    """Finite everywhere; its gradient is NaN for a sample whose output is 0 (sqrt'(0) * 0)."""
+    return (out - out[:, :1].detach() * 0).square().sum(1).sqrt()
+
+
+def _batch_with_a_nan_gradient():
+    x = torch.randn(5, 3)
+    x[3] = 0  # with no bias in the first layer, tanh(0) = 0 and the head's output is its bias: set it to 0
+    return x
+
+
+def _engine(model, **kwargs):
+    args = {"max_grad_norm": 1.0, "noise_multiplier": 0.0, "expected_batch_size": 5, "self_check": None}
+    return flashdp.make_private(model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), **(args | kwargs))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_gradient_is_refused_naming_the_sample_and_nothing_reaches_grad(mode):
+    model = _model()
+    nn.init.zeros_(model[2].bias)
+    engine = _engine(model, mode=mode)
+    with pytest.raises(FlashDPError, match=r"sample 3 is not finite .* batch of 5.*nonfinite='skip'"):
+        engine.backward(_sqrt_loss(model(_batch_with_a_nan_gradient())))
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(FlashDPError, match=r"no engine\.backward"):  # the refused backward does not count for a step
+        engine.step()
+
+
+def test_skip_gives_non_finite_samples_a_zero_contribution_and_the_others_their_exact_clipped_sum():
+    model = _model()
+    nn.init.zeros_(model[2].bias)
+    x = _batch_with_a_nan_gradient()
+    engine = _engine(model, mode="bk", nonfinite="skip")
+    norms = engine.backward(_sqrt_loss(model(x)))
+    engine.detach()
+
+    reference = _model(torch.float64)
+    reference.load_state_dict(model.state_dict())
+    keep = [0, 1, 2, 4]
+    per_sample = oracle.per_sample_grads(reference, lambda s: _sqrt_loss(reference(x[keep][s].double())), len(keep))
+    expected_norms, expected = oracle.clip(per_sample, "flat", 1.0)
+    assert torch.isnan(norms[3]) and engine.skipped_samples == 1
+    torch.testing.assert_close(norms[keep].double(), expected_norms, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), expected[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["ghost", pytest.param("flash", marks=MODES[2].marks)])
+def test_skip_is_refused_where_a_second_backward_fills_grad(mode):
+    with pytest.raises(FlashDPError, match="nonfinite='skip' needs mode='bk'"):
+        _engine(_model(), mode=mode, nonfinite="skip")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_norm_beyond_float32_squares_is_clipped_to_c_not_dropped(mode):
+    """A per-sample norm of about 1e20 squares to 1e40, beyond float32: the sample must still contribute C."""
+    model = _model(activation=nn.ReLU)  # (tanh would saturate)
+    x = torch.randn(3, 3)
+    x[1] *= 1e20
+    engine = _engine(model, mode=mode)
+    norms = engine.backward(model(x).sum(1))
+    engine.detach()
+
+    reference = _model(torch.float64, nn.ReLU)
+    reference.load_state_dict(model.state_dict())
+    per_sample = oracle.per_sample_grads(reference, lambda s: reference(x[s].double()).sum(1), 3)
+    expected_norms, expected = oracle.clip(per_sample, "flat", 1.0)
+    assert expected_norms[1] > 1e19
+    torch.testing.assert_close(norms.double(), expected_norms, rtol=1e-5, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), expected[name], rtol=1e-4, atol=1e-6)

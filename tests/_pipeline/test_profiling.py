@@ -9,17 +9,22 @@ import flashdp
 from flashdp._pipeline.profiling import PHASES, PhaseTimer
 
 
+def _two_profiled_steps(model: nn.Module, x: torch.Tensor, capsys, **kwargs) -> tuple[flashdp.DPEngine, str]:
+    """The engine, and what profile=True made it print to stderr over two DP-SGD steps on the batch `x`."""
+    engine = flashdp.make_private(
+        model, max_grad_norm=1.0, noise_multiplier=1.0, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+        expected_batch_size=4, profile=True, **kwargs,
+    )  # fmt: skip
+    for _ in range(2):
+        engine.backward(model(x).sum(1))
+        engine.step()
+    return engine, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
 def test_profile_prints_every_phase_of_each_step(mode, capsys):
     model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 2))  # noise and optimizer take > 0.01 ms
-    engine = flashdp.make_private(
-        model, mode=mode, max_grad_norm=1.0, noise_multiplier=1.0, optimizer=torch.optim.SGD(model.parameters(), 0.1),
-        expected_batch_size=4, profile=True,
-    )  # fmt: skip
-    for _ in range(2):
-        engine.backward(model(torch.randn(4, 512)).sum(1))
-        engine.step()
-    report = capsys.readouterr().err
+    _, report = _two_profiled_steps(model, torch.randn(4, 512), capsys, mode=mode)
     assert report.count("flashdp step") == 2
     for phase in PHASES:
         assert re.search(rf"{phase}\s+[\d.]+ ms", report), phase
@@ -69,15 +74,7 @@ def test_profile_names_the_strategy_of_each_norm_once(capsys):
         def forward(self, x):
             return self.lin(x) + self.offset
 
-    model = WithRawParameter()
-    engine = flashdp.make_private(
-        model, max_grad_norm=1.0, noise_multiplier=1.0, optimizer=torch.optim.SGD(model.parameters(), 0.1),
-        expected_batch_size=4, profile=True,
-    )  # fmt: skip
-    for _ in range(2):
-        engine.backward(model(torch.randn(4, 3)).sum(1))
-        engine.step()
-    report = capsys.readouterr().err
+    engine, report = _two_profiled_steps(WithRawParameter(), torch.randn(4, 3), capsys)
     assert report.count("  norms: ") == 1  # unchanged on the second step
     counts = dict(re.findall(r"(\S+) (\d+)", report.split("norms: ")[1].splitlines()[0]))
     assert counts == {

@@ -22,18 +22,15 @@ from flashdp.errors import FlashDPError
 Norms = list[tuple[TrainableParam, ParamNorm]]
 
 
-def all_finite(group_norms_sq: Tensor) -> bool:
-    """Whether every `[L, B]` squared norm is finite (one device sync)."""
-    return bool(torch.isfinite(group_norms_sq).all())
+def all_finite(norms_sq: Tensor) -> bool:
+    """Whether every squared norm is finite (one device sync)."""
+    return bool(torch.isfinite(norms_sq).all())
 
 
 def recompute_overflowed(norms: Norms, grads: list[tuple[TrainableParam, ParamGradient]]) -> Norms:
     """`norms` with every parameter whose squared norms are not all finite recomputed in float64."""
     grad_of = {param.key: grad for param, grad in grads}
-    return [
-        (param, _widened(norm, grad_of[param.key])) if not bool(torch.isfinite(norm.norm_sq).all()) else (param, norm)
-        for param, norm in norms
-    ]
+    return [(param, norm if all_finite(norm.norm_sq) else _widened(norm, grad_of[param.key])) for param, norm in norms]
 
 
 def _widened(norm: ParamNorm, grad: ParamGradient) -> ParamNorm:
@@ -65,7 +62,7 @@ def _error(bad: Tensor, norms: Norms) -> FlashDPError:
             "A sample on another rank has a per-sample gradient that is not finite (NaN or inf); every rank stops "
             "this backward together. Nothing was added to .grad."
         )
-    params = [param.name for param, norm in norms if not bool(torch.isfinite(norm.norm_sq[bad]).all())]
+    params = [param.name for param, norm in norms if not all_finite(norm.norm_sq[bad])]
     shown = ", ".join(map(str, samples[:10])) + (f" and {len(samples) - 10} more" if len(samples) > 10 else "")
     which = f"samples {shown} are" if len(samples) > 1 else f"sample {shown} is"
     return FlashDPError(

@@ -7,7 +7,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# a second environment without triton: flashdp must train where triton is not installed (macOS, Windows)
+# a second environment without triton, with flashdp installed from its wheel (not editable): what a user gets
+# where triton is not installed (macOS, Windows)
 BARE_VENV ?= .venv-no-triton
 BARE_PY := $(BARE_VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
@@ -19,14 +20,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e ".[test,dev,examples,kernels]"
+	$(PY) -m pip install --quiet -e ".[test,dev,examples,kernels,docs]"
 	touch $@
 
-$(BARE_VENV)/.installed: pyproject.toml
+$(BARE_VENV)/.installed: pyproject.toml $(shell find src -name '*.py')
 	$(PYTHON) -m venv $(BARE_VENV)
 	$(BARE_PY) -m pip install --quiet --upgrade pip
 	$(BARE_PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(BARE_PY) -m pip install --quiet -e ".[test,examples]"
+	$(BARE_PY) -m pip install --quiet ".[test,examples]"
 	@! $(BARE_PY) -c "import triton" 2>/dev/null || (echo "triton is installed in $(BARE_VENV)"; exit 1)
 	touch $@
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from benchmarks.sections import write_section
 
 MODE_ORDER = ("non-private", "flashdp-bk", "flashdp-ghost", "flashdp-flash", "opacus-ghost", "opacus-hooks")
-#: issue 6's CPU targets, at the two shapes of ENVIRONMENT.md's peer measurements.
+#: the CPU targets, at the two shapes of ENVIRONMENT.md's peer measurements.
 TARGET_SHAPES = (("llama_step[B=8]", 256), ("llama_step[B=4]", 1024))
 
 GPU_SECTION = """## GPU kernels
@@ -40,7 +40,7 @@ def _ratio(table, bench, metric, x, mode, base="non-private") -> float | None:
 
 
 def _targets(table) -> list[str]:
-    lines = ["| target (issue 6) | " + " | ".join(f"T={x}" for _, x in TARGET_SHAPES) + " |",
+    lines = ["| target | " + " | ".join(f"T={x}" for _, x in TARGET_SHAPES) + " |",
              "|---|" + "---|" * len(TARGET_SHAPES)]  # fmt: skip
     checks = [
         ("bk step time <= 1.15x non-private", "step_time", "flashdp-bk", "non-private", lambda r: r <= 1.15),

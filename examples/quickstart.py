@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 import flashdp
 
@@ -30,12 +31,6 @@ def load_digits(test_fraction: float = 0.2):
     y = table[:, 64].long()
     n_test = int(len(table) * test_fraction)
     return x[n_test:], y[n_test:], x[:n_test], y[:n_test]
-
-
-def poisson_batches(n: int, sample_rate: float, steps: int, generator: torch.Generator):
-    """Each step includes every example independently with probability sample_rate (sizes vary, may be 0)."""
-    for _ in range(steps):
-        yield torch.nonzero(torch.rand(n, generator=generator) < sample_rate).flatten()
 
 
 def main() -> None:
@@ -75,14 +70,15 @@ def main() -> None:
     )
 
     start = time.perf_counter()
-    sampler = torch.Generator().manual_seed(1)
-    for step, idx in enumerate(poisson_batches(n, sample_rate, steps, sampler), start=1):
-        logits = model(x_train[idx])
-        loss = nn.functional.cross_entropy(logits, y_train[idx], reduction="none")
-        engine.backward(loss)
+    # Poisson sampling at the engine's rate, as its epsilon assumes: batch sizes vary and may be 0
+    loader = engine.data_loader(TensorDataset(x_train, y_train), steps=steps)
+    for step, (x, y) in enumerate(loader, start=1):
+        loss = nn.functional.cross_entropy(model(x), y, reduction="none")
+        engine.backward(loss)  # (this model runs on zero rows; one that cannot calls engine.backward_empty())
         engine.step()
         if step % 50 == 0 or step == steps:
-            print(f"step {step:4d}  loss {loss.mean().item():.3f}  epsilon {engine.epsilon(1e-5):.2f}")
+            mean_loss = loss.mean().item() if len(loss) else float("nan")
+            print(f"step {step:4d}  loss {mean_loss:.3f}  epsilon {engine.epsilon(1e-5):.2f}")
 
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()

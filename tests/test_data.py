@@ -1,5 +1,7 @@
 """Poisson sampling and micro-batching."""
 
+from collections import UserDict
+
 import pytest
 import torch
 from torch import nn
@@ -98,3 +100,22 @@ def test_micro_batch_accumulation_then_step_equals_one_step_on_the_union():
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
     torch.testing.assert_close(run(3), run(1), rtol=1e-6, atol=1e-7)
+
+
+class Encoding(UserDict):
+    """A batch as HF collators return it (BatchEncoding is a UserDict, not a dict)."""
+
+
+def test_mapping_batches_that_are_not_dicts_are_split_and_emptied_too():
+    dataset = [Encoding(ids=torch.tensor([i, i + 1]), label=torch.tensor(i)) for i in range(10)]
+
+    def collate(samples):
+        return Encoding({k: torch.stack([s[k] for s in samples]) for k in samples[0]})
+
+    loader = flashdp.poisson_loader(dataset, 0.05, steps=40, seed=0, collate_fn=collate)
+    sizes = {len(batch["ids"]) for batch in loader}
+    assert 0 in sizes, "q = 0.05 over 10 samples draws empty batches"
+    empty = next(batch for batch in loader if len(batch["ids"]) == 0)
+    assert isinstance(empty, Encoding) and empty["ids"].shape == (0, 2) and empty["label"].shape == (0,)
+    pieces = list(flashdp.micro_batches(collate(dataset), 4))
+    assert [len(p["ids"]) for p in pieces] == [4, 4, 2] and all(isinstance(p, Encoding) for p in pieces)

@@ -2,6 +2,8 @@
 
 import importlib.util
 import math
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (dataclasses look their module up there)
     spec.loader.exec_module(module)
     return module
 
@@ -21,12 +24,15 @@ def test_train_lm_demo_runs(tmp_path, mode):
     demo = _load("train_lm")
     plot = tmp_path / "loss.png"
     summary = demo.main(
-        ["--steps", "3", "--seq-len", "16", "--batch-size", "8", "--micro-batch", "4", "--d-model", "16",
-         "--layers", "1", "--target-epsilon", "20", "--mode", mode, "--plot", str(plot)]
+        ["--steps", "3", "--pretrain-steps", "2", "--seq-len", "16", "--batch-size", "8", "--micro-batch", "4",
+         "--d-model", "16", "--layers", "1", "--target-epsilon", "20", "--mode", mode, "--plot", str(plot)]
     )  # fmt: skip
     assert plot.stat().st_size > 1000
     assert 0 < summary["epsilon"] <= 20 and summary["steps"] == 3
-    assert math.isfinite(summary["val_loss_private"]) and math.isfinite(summary["val_loss_non_private"])
+    assert summary["val_loss"].keys() == {
+        "private fine-tune", "private from scratch", "non-private fine-tune", "public pre-training only"
+    }  # fmt: skip
+    assert all(math.isfinite(loss) for loss in summary["val_loss"].values())
 
 
 def test_quickstart_runs(monkeypatch, capsys):
@@ -40,7 +46,6 @@ def test_fsdp_llama_suite_runs_under_torchrun_and_plots(tmp_path):
     """The documented command (`torchrun --nproc_per_node=2`), tiny: one JSON per run, then the figure and table."""
     import json
     import subprocess
-    import sys
 
     out = tmp_path / "results"
     tiny = ["--modes", "no_dp,bk,ghost", "--seq-lens", "8,16", "--batch", "2", "--steps", "1", "--warmup", "0",
@@ -55,3 +60,16 @@ def test_fsdp_llama_suite_runs_under_torchrun_and_plots(tmp_path):
     assert (out / "fsdp_llama.png").stat().st_size > 1000
     summary = (out / "summary.md").read_text()
     assert summary.count("| fsdp2 |") == 6 and "| bk | 16 |" in summary
+
+
+def test_hf_trainer_example_trains_and_resumes(tmp_path):
+    example = _load("hf_trainer")
+    tiny = ["--max-steps", "2", "--batch-size", "4", "--micro-batch", "2", "--seq-len", "8", "--d-model", "16",
+            "--layers", "1", "--target-epsilon", "20", "--output-dir", str(tmp_path)]  # fmt: skip
+    trainer = example.main(tiny)
+    assert trainer.engine.steps == 2 and 0 < trainer.engine.epsilon(1e-5) <= 20
+    assert any("epsilon" in entry for entry in trainer.state.log_history)
+    shutil.rmtree(tmp_path / "checkpoint-2")
+    resumed = example.main([*tiny, "--resume"])  # from checkpoint-1
+    assert resumed.engine.steps == 2, "the accounting continues from the checkpoint of step 1"
+    assert resumed.engine.epsilon(1e-5) == trainer.engine.epsilon(1e-5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -137,7 +137,7 @@ def micro_batches(batch: Any, max_size: int, *, group: dist.ProcessGroup | None 
 def _tensors(batch: Any) -> list[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         return [batch]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return [t for v in batch.values() for t in _tensors(v)]
     if isinstance(batch, Sequence) and not isinstance(batch, str):
         return [t for v in batch for t in _tensors(v)]
@@ -147,8 +147,8 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
 def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(batch, torch.Tensor):
         return fn(batch)
-    if isinstance(batch, dict):
-        return type(batch)((k, _map_tensors(v, fn)) for k, v in batch.items())
+    if isinstance(batch, Mapping):  # dict, or a Mapping such as HF's BatchEncoding (a UserDict)
+        return type(batch)({k: _map_tensors(v, fn) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(_map_tensors(v, fn) for v in batch))
     if isinstance(batch, list | tuple):

@@ -6,12 +6,16 @@ The engine runs the stages of `flashdp._pipeline` (whose docstring lists them in
 from __future__ import annotations
 
 import secrets
+import warnings
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from flashdp._pipeline import broadcast, coverage, guards, nonfinite, self_check
 from flashdp._pipeline.clipping import Clipping, clip_coefficients
@@ -23,12 +27,14 @@ from flashdp._pipeline.provenance import GradientProvenance
 from flashdp._pipeline.recorder import Call, Recorder
 from flashdp._pipeline.scan import GradientPlan, scan_model
 from flashdp._pipeline.settings import DEFAULT_SELF_CHECK_INTERVAL, EngineSettings, Mode, NonFinite
+from flashdp.data import poisson_loader
 from flashdp.distributed import Adapter, adapter_for
 from flashdp.distributed.checks import check_global_batch, check_norm_group, check_same_samples
-from flashdp.errors import FlashDPError
+from flashdp.errors import FlashDPError, FlashDPWarning
 from flashdp.kernels import Backend
 from flashdp.kernels import backend as kernels_backend
 from flashdp.privacy import Accountant, NoiseSource
+from flashdp.privacy.sampling import SamplingMonitor
 from flashdp.privacy.settings import PrivacyRequest
 
 
@@ -80,6 +86,8 @@ class DPEngine:
         guards.claim(self._hooked, self, {id(site.module): site.label for site in plan.sites.values()})
         self._adapter.attach()
         self._accountant = Accountant(resolved.accountant)
+        per_rank = (self.expected_batch_size or 0) / self._adapter.world_size
+        self._sampling = SamplingMonitor(per_rank)
         self._backward_since_step = False
         self._samples_since_step = 0
         self._recorder = Recorder(plan, self._timer.forward_started, keep_params=self._adapter.reshards_after_forward)
@@ -127,25 +135,95 @@ class DPEngine:
     def backward(self, loss: Tensor) -> Tensor:
         """Add `sum_i c_i grad(loss[i])` to every trainable parameter's `.grad`; return `||g_i||` `[B]` float32.
 
-        loss: `[B]`, one loss per sample of the last forward (e.g. `reduction="none"`).
+        loss: `[B]`, one loss per sample of the last forward (e.g. `reduction="none"`). For a micro-batch with no
+        samples, whose forward a model may not run, call `backward_empty()` instead.
         """
-        recorder = self._attached_recorder()
-        self._timer.forward_ended()
-        self._trainable.check_unchanged()
-        loss = guards.check_loss(loss)
-        self._provenance.check_before_backward(self._adapter.accumulated_gradients(self._plan.params))
-        calls = recorder.take()
-        if not calls:
-            raise self._no_forward_error(loss)
-        self._last_loss_node = id(loss.grad_fn)
+        loss, calls = self._take_forward(loss, check_provenance=True)
         batch = loss.shape[0]
-        if not self._norm_group_checked:
-            check_same_samples(loss, self.norm_group)
-            self._norm_group_checked = True
         if batch == 0 and self._adapter.world_size == 1:
             self._backward_since_step = True
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
         # an empty batch on one rank of several still runs every pass: the wrappers' collectives must match
+        second_pass = self.settings.second_backward and self._adapter.second_backward
+        measured = self._measure(loss, calls, keep_graph=second_pass, keep_for_sum=not second_pass)
+        norms, clip_norms_sq = measured.norms, measured.clip_norms_sq
+        with torch.no_grad():
+            coef = self._clip_coefficients(clip_norms_sq)
+            if measured.skipped is not None:  # (bk only: a second backward would carry their NaN into every parameter)
+                coef = coef.masked_fill(measured.skipped, 0.0)
+                norms = [(param, norm.dropping(~measured.skipped)) for param, norm in norms]
+                self._skipped_samples += int(measured.skipped.sum())
+        del measured
+        with self._timer.phase("second pass / bk sums"):
+            if second_pass:
+                del norms
+                (loss * (coef[0] * self._adapter.second_pass_scale).to(loss.dtype)).sum().backward()
+            else:
+                with torch.no_grad(), kernels_backend(self.settings.backend):
+                    for param, norm in norms:
+                        self._adapter.accumulate(param, norm.plan.clipped_sum(coef[param.clip_group]))
+                    self._adapter.accumulation_done()
+        self._provenance.record(self._adapter.accumulated_gradients(self._plan.params))
+        self._backward_since_step = True
+        self._samples_since_step += batch
+        return clip_norms_sq.sum(0).sqrt().float()
+
+    def backward_empty(self) -> None:
+        """The backward of a micro-batch with no samples (Poisson sampling draws them), without a forward: many
+        models (HF transformers) cannot run one on zero rows. Nothing is added to `.grad`; `step()` still adds the
+        noise and accounts the step. Under DDP or FSDP, where every rank must run the same passes, run the forward
+        and `backward` on the empty batch instead (`flashdp.micro_batches(batch, size, group=...)`)."""
+        recorder = self._attached_recorder()
+        if recorder.calls:
+            recorder.take()
+            raise FlashDPError(
+                "engine.backward_empty() is for a micro-batch whose forward was not run, but a forward was recorded "
+                "since the last backward: call engine.backward(loss) on its per-sample losses instead."
+            )
+        if self._adapter.world_size > 1:
+            raise FlashDPError(
+                f"engine.backward_empty() on one rank of {self._adapter.world_size}: every rank must run the same "
+                "forward and backward passes (their collectives must match). Run the forward on the empty batch and "
+                "engine.backward(loss) on its empty loss."
+            )
+        self._timer.forward_ended()
+        self._backward_since_step = True
+
+    def per_sample_norms(self, loss: Tensor, *, per_parameter: bool = False) -> Tensor | dict[str, Tensor]:
+        """The per-sample gradient norms `||grad(loss[i])||` `[B]` float32 of the last forward, without clipping,
+        noise or any change to `.grad` (for data valuation and debugging): the norm over all trainable parameters,
+        or with `per_parameter=True` a dict of each parameter's `[B]` norms. The forward's graph is kept, so
+        `loss.mean().backward()` may follow for ordinary training."""
+        loss, calls = self._take_forward(loss, check_provenance=False)
+        batch = loss.shape[0]
+        if batch == 0:
+            return {} if per_parameter else torch.zeros(0, dtype=torch.float32, device=loss.device)
+        measured = self._measure(loss, calls, keep_graph=True, keep_for_sum=False)
+        if per_parameter:
+            return {param.name: norm.norm_sq.sqrt().float() for param, norm in measured.norms}
+        return measured.clip_norms_sq.sum(0).sqrt().float()
+
+    def _take_forward(self, loss: Tensor, check_provenance: bool) -> tuple[Tensor, list[Call]]:
+        """The checked loss and the calls recorded by its forward."""
+        recorder = self._attached_recorder()
+        self._timer.forward_ended()
+        self._trainable.check_unchanged()
+        loss = guards.check_loss(loss)
+        if check_provenance:
+            self._provenance.check_before_backward(self._adapter.accumulated_gradients(self._plan.params))
+        calls = recorder.take()
+        if not calls:
+            raise self._no_forward_error(loss)
+        self._last_loss_node = id(loss.grad_fn)
+        if not self._norm_group_checked:
+            check_same_samples(loss, self.norm_group)
+            self._norm_group_checked = True
+        return loss, calls
+
+    def _measure(self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool) -> _Measured:
+        """The norm pass and the per-sample norms of every trainable parameter reached by the loss, checked
+        (coverage on a new forward structure, the self-check when due, non-finite gradients)."""
+        batch = loss.shape[0]
         checking = self._self_check_due()
         structure = tuple(id(call.module) for call in calls)
         new_structure = structure not in self._structures
@@ -160,7 +238,6 @@ class DPEngine:
                 "The loss does not depend on any trainable layer recorded in the last forward pass: compute the "
                 "per-sample losses from this model's output."
             )
-        second_pass = self.settings.second_backward and self._adapter.second_backward
         # a new structure, and every self-check, verifies that every layer's output rows are per-sample
         verify = (checking or new_structure) and self._adapter.second_backward
         verify &= batch > 1 or self._adapter.world_size > 1  # every rank runs the pass (FSDP collectives)
@@ -168,7 +245,7 @@ class DPEngine:
             shared = self._shared_outputs(loss, calls, batch)
             sharing = broadcast.per_sample_gradients(list(shared.values()), batch)
             with self._timer.phase("norm pass"), self._adapter.norm_pass(), sharing:
-                output_grads = output_gradients(loss, calls, retain_graph=second_pass or checking or verify)
+                output_grads = output_gradients(loss, calls, retain_graph=keep_graph or checking or verify)
             with torch.no_grad():
                 check_calls(plan, calls, output_grads, batch, shared)
                 failing = self._batch_independence(loss, calls, output_grads, shared) if verify else []
@@ -181,14 +258,14 @@ class DPEngine:
         shared_grads = {key: output.per_sample for key, output in shared.items()}
         # the recorded activations require grad; nothing below is differentiated
         with torch.no_grad(), kernels_backend(self.settings.backend), self._timer.phase("norm computation"):
-            with recorder.paused():  # the generic rule re-runs forwards
+            with self._recorder.paused():  # the generic rule re-runs forwards
                 grads = per_param_gradients(plan, calls, output_grads, batch, self.settings.norm_strategy, shared_grads)
             held = self._graph_tensors(calls) if checking else {}
             dtypes = [loss.dtype, *(m.dtype for c in calls for m in c.output_meta)]
             # From here on only the ParamGradients hold activations and output gradients, and each plan only
             # what its clipped sum needs (a directly-normed layer keeps only its per-sample gradient).
             del calls, output_grads, shared, shared_grads
-            norms = self._norms(grads, keep_for_sum=not second_pass)
+            norms = self._norms(grads, keep_for_sum=keep_for_sum)
             clip_norms_sq = _group_norms_sq(norms, len(plan.clip_group_names), batch, loss.device)
             if not nonfinite.all_finite(clip_norms_sq):  # a float32 norm that overflowed, or a NaN/inf gradient
                 norms = nonfinite.recompute_overflowed(norms, grads)
@@ -199,25 +276,8 @@ class DPEngine:
                     dist.all_reduce(clip_norms_sq, op=dist.ReduceOp.SUM, group=self.norm_group)
             skipped = nonfinite.nonfinite_samples(self.settings.nonfinite, clip_norms_sq, norms, self._adapter.dp_group)
             if checking:
-                self._check_per_sample(loss, norms, held, self_check.tolerance(dtypes), retain_graph=second_pass)
-            coef = self._clip_coefficients(clip_norms_sq)
-            if skipped is not None:  # (bk only: a second backward would carry their NaN into every parameter)
-                coef = coef.masked_fill(skipped, 0.0)
-                norms = [(param, norm.dropping(~skipped)) for param, norm in norms]
-                self._skipped_samples += int(skipped.sum())
-        with self._timer.phase("second pass / bk sums"):
-            if second_pass:
-                del norms
-                (loss * (coef[0] * self._adapter.second_pass_scale).to(loss.dtype)).sum().backward()
-            else:
-                with torch.no_grad(), kernels_backend(self.settings.backend):
-                    for param, norm in norms:
-                        self._adapter.accumulate(param, norm.plan.clipped_sum(coef[param.clip_group]))
-                    self._adapter.accumulation_done()
-        self._provenance.record(self._adapter.accumulated_gradients(plan.params))
-        self._backward_since_step = True
-        self._samples_since_step += batch
-        return clip_norms_sq.sum(0).sqrt().float()
+                self._check_per_sample(loss, norms, held, self_check.tolerance(dtypes), retain_graph=keep_graph)
+        return _Measured(norms, clip_norms_sq, skipped)
 
     def _clip_coefficients(self, group_norms_sq: Tensor) -> Tensor:
         """`[L, B]` clipping coefficients from `[L, B]` squared norms of the clipping groups."""
@@ -428,7 +488,7 @@ class DPEngine:
         if not self._backward_since_step:
             raise FlashDPError(
                 "engine.step() called with no engine.backward() since the last step: each step must follow at "
-                "least one backward (an empty Poisson batch counts: call backward on its empty loss)."
+                "least one backward (for an empty Poisson batch, engine.backward_empty())."
             )
         self._provenance.check_before_step(self._adapter.accumulated_gradients(self._plan.params))
         if self._adapter.dp_group is not None:
@@ -456,9 +516,50 @@ class DPEngine:
             self._adapter.zero_grad()
         self._provenance.stepped()
         self._accountant.step(self.noise_multiplier, self.sample_rate or 0.0)
+        finding = self._sampling.record(self._samples_since_step)
+        if finding is not None:
+            warnings.warn(f"Batches do not look Poisson-sampled: {finding}", FlashDPWarning, stacklevel=2)
         self._backward_since_step = False
         self._samples_since_step = 0
         self._timer.report(self.steps, self._strategies)
+
+    def data_loader(
+        self,
+        dataset: Dataset,
+        *,
+        collate_fn: Callable[[list], Any] = default_collate,
+        steps: int | None = None,
+        **loader_kwargs: Any,
+    ) -> DataLoader:
+        """A DataLoader of Poisson-sampled batches of `dataset` at the engine's `sample_rate`: the sampling that
+        `epsilon()` assumes. Sampling draws from the OS CSPRNG when the engine has `secure_rng=True`, is seeded
+        from the engine's `seed` when it has one, and from OS entropy otherwise. Under DDP or FSDP each rank samples
+        its own shard of `dataset` (give every rank the whole dataset). Batch sizes vary and may be 0 (see
+        `backward_empty`). steps: batches per pass over the loader, default `ceil(1 / sample_rate)` (an epoch in
+        expectation)."""
+        if self.sample_rate is None:
+            raise FlashDPError("engine.data_loader() samples at the engine's rate: make_private(..., sample_rate=q).")
+        expected = self.sample_rate * len(dataset)
+        if self.expected_batch_size is not None and abs(expected - self.expected_batch_size) > max(
+            1.0, 0.01 * self.expected_batch_size
+        ):
+            raise FlashDPError(
+                f"sample_rate * len(dataset) = {self.sample_rate} * {len(dataset)} = {expected:.1f}, but the engine "
+                f"averages by expected_batch_size={self.expected_batch_size}. Give make_private "
+                f"expected_batch_size={round(expected)} (or sample_rate={self.expected_batch_size / len(dataset):.6g})."
+            )
+        group = self._adapter.dp_group
+        return poisson_loader(
+            dataset,
+            self.sample_rate,
+            collate_fn=collate_fn,
+            steps=steps,
+            seed=self.settings.seed,
+            secure_rng=self.settings.secure_rng,
+            rank=dist.get_rank(group) if group is not None else 0,
+            world_size=self._adapter.world_size,
+            **loader_kwargs,
+        )
 
     def epsilon(self, delta: float) -> float:
         """The epsilon spent so far at this delta (PLD, or RDP when accountant="rdp")."""
@@ -469,6 +570,12 @@ class DPEngine:
             )
         if not (isinstance(delta, int | float) and 0 < delta < 1):
             raise FlashDPError(f"delta must be in (0, 1), e.g. 1e-5. Received {delta!r}.")
+        if self._sampling.finding is not None:
+            warnings.warn(
+                f"This epsilon assumes Poisson sampling at rate {self.sample_rate}, but {self._sampling.finding}",
+                FlashDPWarning,
+                stacklevel=2,
+            )
         return self._accountant.epsilon(float(delta))
 
     def state_dict(self) -> dict:
@@ -520,6 +627,16 @@ class DPEngine:
         if not self._detach.alive:
             raise FlashDPError("This engine was detached; call flashdp.make_private(model, ...) again.")
         return self._recorder
+
+
+@dataclass
+class _Measured:
+    """What the norm pass found: each parameter's squared norms `[B]` and clipped-sum plan, the squared norms of the
+    clipping groups `[L, B]` float64, and the samples whose gradient is not finite (nonfinite="skip") or None."""
+
+    norms: list[tuple[TrainableParam, ParamNorm]]
+    clip_norms_sq: Tensor
+    skipped: Tensor | None
 
 
 #: the settings a resumed run must share with the checkpointed one
@@ -588,7 +705,8 @@ def make_private(
         accountant: "pld" (tight, default) or "rdp".
         seed: makes the noise reproducible; NOT private (whoever knows it can remove the noise). Default: seeded
             from OS entropy.
-        secure_rng: draw the noise from the OS CSPRNG instead of torch's generator (slower).
+        secure_rng: draw the noise, and the sampling of `engine.data_loader`, from the OS CSPRNG instead of torch's
+            generator (slower, not reproducible). A loader you build yourself samples as you built it.
         norm_strategy: "auto" picks, per layer and batch shape, the cheaper exact norm of a weight; "ghost" or
             "direct" force one (for benchmarks and tests).
         kernels: "auto" (Triton on CUDA tensors, PyTorch otherwise), "triton" (everywhere it can run) or

@@ -1,4 +1,4 @@
-"""The one exception flashdp raises for bad input or an unsupported model."""
+"""The exception flashdp raises for bad input or an unsupported model, and the warning for a weakened guarantee."""
 
 
 class FlashDPError(ValueError):
@@ -6,3 +6,8 @@ class FlashDPError(ValueError):
 
     The message says what was expected, what was received and what to do.
     """
+
+
+class FlashDPWarning(UserWarning):
+    """Warned when training runs but something undermines the privacy guarantee reported (e.g. batches that do not
+    look Poisson-sampled while epsilon assumes they are)."""

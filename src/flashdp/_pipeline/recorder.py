@@ -64,7 +64,7 @@ class Call:
         return FlashDPError(
             f"The output of layer {label} was modified in place after the layer returned it (e.g. "
             "ReLU(inplace=True) or `out += x`), which hides its gradient. Make that operation out of place "
-            "(inplace=False, `out = out + x`)."
+            "(inplace=False, `out = out + x`; flashdp.fix_model(model) turns off inplace=True on every module)."
         )
 
 

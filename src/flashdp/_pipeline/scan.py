@@ -243,7 +243,8 @@ def _refuse_sample_mixing(model: nn.Module) -> None:
         raise FlashDPError(
             f"{', '.join(mixing)}: BatchNorm mixes samples (its batch statistics make each output depend on the "
             "whole batch), so per-sample gradients, and DP-SGD's guarantee, do not exist for it. Replace it with "
-            "nn.GroupNorm or nn.LayerNorm (e.g. GroupNorm(min(32, C), C))."
+            "nn.GroupNorm or nn.LayerNorm: flashdp.fix_model(model) does it (GroupNorm(gcd(C, 32), C)); build the "
+            "optimizer after."
         )
 
 

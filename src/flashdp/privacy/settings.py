@@ -23,14 +23,14 @@ class PrivacySettings:
 class PrivacyRequest:
     """make_private's privacy arguments as given: a noise multiplier, or a target to calibrate one for."""
 
-    noise_multiplier: float | None
-    expected_batch_size: int | None
-    sample_rate: float | None
-    target_epsilon: float | None
-    target_delta: float | None
-    steps: int | None
-    epochs: float | None
-    accountant: str
+    noise_multiplier: float | None = None
+    expected_batch_size: int | None = None
+    sample_rate: float | None = None
+    target_epsilon: float | None = None
+    target_delta: float | None = None
+    steps: int | None = None
+    epochs: float | None = None
+    accountant: str = "pld"
 
     def resolve(self) -> PrivacySettings:
         """Checked, with sigma calibrated when a target epsilon was given."""

@@ -1,0 +1,4 @@
+"""Integrations with training frameworks (optional dependencies, imported only from here):
+
+flashdp.integrations.transformers   DPTrainer, a `transformers.Trainer` that trains with DP-SGD
+"""

@@ -1,0 +1,295 @@
+"""DP-SGD with the Hugging Face `Trainer`: Poisson-sampled logical batches split into micro-batches, per-sample
+losses from the model's logits, flashdp's clipping and noise, epsilon in the logs, the engine in checkpoints.
+
+    from flashdp.integrations.transformers import DPTrainer, PrivacyArguments
+
+    trainer = DPTrainer(
+        model=model,
+        args=TrainingArguments(output_dir="out", per_device_train_batch_size=16, max_grad_norm=1.0, ...),
+        train_dataset=train,
+        data_collator=collator,
+        privacy=PrivacyArguments(expected_batch_size=256, target_epsilon=3.0, target_delta=1e-5),
+    )
+    trainer.train()
+
+Needs `transformers` (not a dependency of flashdp).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from transformers import Trainer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+import flashdp
+from flashdp.engine import DPEngine
+from flashdp.errors import FlashDPError
+
+#: the engine's state in a checkpoint folder, next to the model, optimizer and trainer state
+ENGINE_STATE = "flashdp_engine.pt"
+
+
+@dataclass(frozen=True)
+class PrivacyArguments:
+    """How DPTrainer makes training private.
+
+    Args:
+        expected_batch_size: the logical batch, in samples (all processes): each example is in a step's batch with
+            probability `expected_batch_size / len(train_dataset)`. `per_device_train_batch_size` only bounds the
+            micro-batches it is split into (memory).
+        noise_multiplier: sigma. Or None, with target_epsilon: sigma is then calibrated for the run's steps.
+        target_epsilon: spend at most this epsilon at `delta` over the whole run.
+        delta: the delta of the guarantee (reported with epsilon in the logs); well below 1 / len(train_dataset).
+        max_grad_norm: C, the per-sample clipping bound; default TrainingArguments.max_grad_norm.
+        mode: as in `flashdp.make_private`.
+        accountant: as in `flashdp.make_private`.
+        clipping: as in `flashdp.make_private`.
+        seed: as in `flashdp.make_private`; it also seeds the sampling.
+        secure_rng: noise and sampling from the OS CSPRNG.
+    """
+
+    expected_batch_size: int
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    max_grad_norm: float | None = None
+    mode: str = "bk"
+    accountant: str = "pld"
+    clipping: str = "flat"
+    seed: int | None = None
+    secure_rng: bool = False
+
+
+class DPTrainer(Trainer):
+    """A `transformers.Trainer` that trains with DP-SGD (see the module docstring).
+
+    What changes from Trainer: each optimizer step is one Poisson-sampled batch of `expected_batch_size` samples
+    in expectation (possibly empty), split into micro-batches of `per_device_train_batch_size`; the loss is per
+    sample (`per_sample_loss`); TrainingArguments.max_grad_norm bounds each sample's gradient, never the batch's;
+    no gradient statistic computed before the noise is logged; `epsilon` is logged with the loss; checkpoints
+    carry the engine's state, and `train(resume_from_checkpoint=...)` resumes the accounting.
+    Refused: gradient_accumulation_steps > 1 (the logical batch is already sampled whole), and several
+    processes (DDP or FSDP under accelerate; use `flashdp.make_private` on the wrapped model, docs/distributed.md).
+    """
+
+    def __init__(self, *args: Any, privacy: PrivacyArguments, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(privacy, PrivacyArguments):
+            raise FlashDPError(f"privacy must be a PrivacyArguments. Received {type(privacy).__name__}.")
+        self.privacy = privacy
+        self.engine: DPEngine | None = None
+        self._resume_dir: str | None = None
+        self._check_arguments()
+
+    def _check_arguments(self) -> None:
+        args = self.args
+        if args.gradient_accumulation_steps != 1:
+            raise FlashDPError(
+                f"DPTrainer samples each logical batch whole (PrivacyArguments.expected_batch_size) and splits it "
+                f"into micro-batches of per_device_train_batch_size; gradient_accumulation_steps="
+                f"{args.gradient_accumulation_steps} would make a step of several Poisson batches, which the "
+                "accounting does not describe. Set gradient_accumulation_steps=1."
+            )
+        if args.world_size > 1:
+            raise FlashDPError(
+                f"DPTrainer runs on one process; this run has {args.world_size}. Under DDP or FSDP call "
+                "flashdp.make_private on the wrapped model in your own loop (see docs/distributed.md)."
+            )
+        if args.fp16:
+            raise FlashDPError(
+                "fp16=True scales the loss with a GradScaler that the per-sample clipping does not see. Use bf16=True "
+                "(no scaler) or float32."
+            )
+        if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
+            raise FlashDPError("DPTrainer needs a train_dataset with a length (Poisson sampling draws from it).")
+        c_trainer, c_privacy = args.max_grad_norm, self.privacy.max_grad_norm
+        if c_privacy is not None and c_trainer not in (0, None, c_privacy):
+            raise FlashDPError(
+                f"Two clipping bounds: PrivacyArguments.max_grad_norm={c_privacy} (per sample) and "
+                f"TrainingArguments.max_grad_norm={c_trainer}. DPTrainer clips each sample, never the batch: give "
+                "one of them (or the same value)."
+            )
+        if not (c_privacy or c_trainer):
+            raise FlashDPError(
+                "DP-SGD needs a per-sample clipping bound: TrainingArguments.max_grad_norm (or "
+                "PrivacyArguments.max_grad_norm) must be positive."
+            )
+        if self.privacy.expected_batch_size > len(self.train_dataset):
+            raise FlashDPError(
+                f"expected_batch_size={self.privacy.expected_batch_size} exceeds the {len(self.train_dataset)} "
+                "training samples."
+            )
+
+    @property
+    def sample_rate(self) -> float:
+        return self.privacy.expected_batch_size / len(self.train_dataset)
+
+    # -- data ---------------------------------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> DataLoader:
+        """Poisson-sampled logical batches (sizes vary, empty ones included), one per optimizer step."""
+        return flashdp.poisson_loader(
+            self._remove_unused_columns(self.train_dataset, description="training")
+            if _is_datasets_dataset(self.train_dataset)
+            else self.train_dataset,
+            self.sample_rate,
+            collate_fn=self.data_collator,
+            seed=self.privacy.seed,
+            secure_rng=self.privacy.secure_rng,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+
+    # -- the engine ---------------------------------------------------------------------------------------
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """Trainer's scheduler, then the engine over the final optimizer (once Trainer will not change it)."""
+        if self.engine is None:
+            # the scheduler follows the torch optimizer, which the engine steps (accelerate's wrapper holds it)
+            optimizer = optimizer or getattr(self.optimizer, "optimizer", self.optimizer)
+            scheduler = super().create_scheduler(num_training_steps, optimizer)
+            self._make_private(num_training_steps, optimizer)
+            return scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def _make_private(self, num_training_steps: int, optimizer: torch.optim.Optimizer) -> None:
+        privacy = self.privacy
+        self.engine = flashdp.make_private(
+            self.model,
+            mode=privacy.mode,
+            max_grad_norm=privacy.max_grad_norm or self.args.max_grad_norm,
+            noise_multiplier=privacy.noise_multiplier,
+            target_epsilon=privacy.target_epsilon,
+            target_delta=privacy.delta if privacy.target_epsilon is not None else None,
+            steps=num_training_steps if privacy.target_epsilon is not None else None,
+            optimizer=optimizer,
+            expected_batch_size=privacy.expected_batch_size,
+            sample_rate=self.sample_rate,
+            clipping=privacy.clipping,
+            accountant=privacy.accountant,
+            seed=privacy.seed,
+            secure_rng=privacy.secure_rng,
+        )
+        self.optimizer = _EngineStep(self.optimizer, self.engine)
+        if self._resume_dir is not None:
+            self.engine.load_state_dict(_load_engine_state(self._resume_dir))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise FlashDPError(f"No checkpoint to resume from in {self.args.output_dir}.")
+        self._resume_dir = resume_from_checkpoint or None
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    # -- one step -----------------------------------------------------------------------------------------
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
+        """One logical batch, through micro-batches: the mean per-sample loss (0 for an empty batch)."""
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        total, count = torch.zeros((), device=self.args.device), 0
+        for micro in flashdp.micro_batches(inputs, self.args.per_device_train_batch_size):
+            size = len(micro["labels"]) if "labels" in micro else _batch_size(micro)
+            if size == 0:
+                self.engine.backward_empty()
+                continue
+            with self.compute_loss_context_manager():
+                loss = self.per_sample_loss(model, micro)
+            self.engine.backward(loss)
+            total, count = total + loss.detach().sum(), count + size
+        return total / max(count, 1)
+
+    def per_sample_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Tensor:
+        """`[B]` losses, one per sample, from the model's logits and `inputs["labels"]`: the next-token loss of a
+        causal LM (labels shifted, -100 ignored), a token-level loss averaged over each sample's labelled tokens,
+        cross entropy for classification, mean squared error for regression (one output). Override for others."""
+        if "labels" not in inputs:
+            raise FlashDPError(
+                f"DPTrainer computes per-sample losses from inputs['labels']; the batch has {sorted(inputs)}. Add "
+                "labels (a collator such as DataCollatorForLanguageModeling does) or override per_sample_loss."
+            )
+        labels = inputs["labels"]
+        logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+        if logits.dim() == 3 and labels.shape == logits.shape[:2]:
+            return flashdp.per_sample_lm_loss(logits, labels, shift=_is_causal_lm(model))
+        if logits.dim() == 2 and labels.shape == logits.shape[:1]:
+            if logits.shape[1] == 1 and labels.is_floating_point():
+                return (logits[:, 0].float() - labels.float()).pow(2)
+            return nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+        raise FlashDPError(
+            f"DPTrainer cannot tell how logits {tuple(logits.shape)} and labels {tuple(labels.shape)} make one loss "
+            "per sample: override DPTrainer.per_sample_loss(model, inputs) to return a [B] tensor."
+        )
+
+    # -- what Trainer does around the step ------------------------------------------------------------------
+
+    def _clip_grad_norm(self, model: nn.Module) -> None:
+        """No clipping of the batch gradient: each sample's was clipped by the engine."""
+        return None
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
+        """Not logged: before the noise, the gradient's norm is a statistic of the private data."""
+        return None
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self.engine is not None and "loss" in logs:
+            logs["epsilon"] = self.engine.epsilon(self.privacy.delta)
+        super().log(logs, *args, **kwargs)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save and self.engine is not None:
+            torch.save(self.engine.state_dict(), os.path.join(folder, ENGINE_STATE))
+
+
+class _EngineStep:
+    """The optimizer as Trainer sees it: `step()` is the engine's DP-SGD step (noise, averaging, the optimizer's
+    step and zero_grad, the accountant); everything else is the optimizer's own."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: DPEngine) -> None:
+        self._optimizer, self._engine = optimizer, engine
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise FlashDPError("DPTrainer's optimizer step takes no closure.")
+        self._engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+
+def _load_engine_state(folder: str) -> dict:
+    path = os.path.join(folder, ENGINE_STATE)
+    if not os.path.isfile(path):
+        raise FlashDPError(
+            f"Cannot resume from {folder}: it has no {ENGINE_STATE} (it was not saved by DPTrainer), so the privacy "
+            "already spent is unknown. Resume from a DPTrainer checkpoint."
+        )
+    return torch.load(path, weights_only=True)
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    """An HF causal LM (or a PEFT model of one): its labels are its inputs, predicted one position ahead."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}
+    return type(base).__name__ in names or type(base).__name__.endswith("ForCausalLM")
+
+
+def _batch_size(inputs: dict[str, Any]) -> int:
+    return next(len(v) for v in inputs.values() if isinstance(v, Tensor))
+
+
+def _is_datasets_dataset(dataset: object) -> bool:
+    return type(dataset).__module__.startswith("datasets.")

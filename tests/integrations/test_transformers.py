@@ -1,0 +1,132 @@
+"""DPTrainer: the HF Trainer path end to end on tiny configs, step for step equal to flashdp's own loop."""
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+from transformers import BertConfig, BertForSequenceClassification, TrainingArguments
+
+import flashdp
+from flashdp import FlashDPError
+from flashdp.integrations.transformers import ENGINE_STATE, DPTrainer, PrivacyArguments
+from tests.test_hf_models import VOCAB, gpt2
+
+N, T = 24, 6
+
+
+def lm_records() -> list[dict]:
+    ids = torch.randint(0, VOCAB, (N, T))
+    labels = ids.clone()
+    labels[::3, -2:] = -100  # padding of some records: ignored
+    return [{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels, strict=True)]
+
+
+def training_args(out, **overrides) -> TrainingArguments:
+    settings = {
+        "output_dir": str(out),
+        "per_device_train_batch_size": 3,
+        "max_steps": 4,
+        "learning_rate": 0.1,
+        "optim": "sgd",
+        "lr_scheduler_type": "constant",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+    }
+    return TrainingArguments(**{**settings, **overrides})
+
+
+def test_dptrainer_takes_the_same_steps_as_flashdps_own_loop(tmp_path):
+    model, data = gpt2(), lm_records()
+    own = copy.deepcopy(model)
+    privacy = PrivacyArguments(expected_batch_size=5, noise_multiplier=0.8, seed=7)
+    trainer = DPTrainer(model=model, args=training_args(tmp_path), train_dataset=data, privacy=privacy)
+    trainer.train()
+
+    optimizer = torch.optim.SGD(own.parameters(), lr=0.1)
+    engine = flashdp.make_private(
+        own,
+        max_grad_norm=1.0,  # TrainingArguments' default, per sample
+        noise_multiplier=0.8,
+        optimizer=optimizer,
+        expected_batch_size=5,
+        sample_rate=5 / N,
+        seed=7,
+    )
+    batches = flashdp.poisson_loader(data, 5 / N, collate_fn=trainer.data_collator, seed=7)
+    for step, batch in enumerate(batches):
+        if step == 4:
+            break
+        for micro in flashdp.micro_batches(batch, 3):
+            if len(micro["labels"]) == 0:
+                engine.backward_empty()
+                continue
+            logits = own(input_ids=micro["input_ids"]).logits
+            engine.backward(flashdp.per_sample_lm_loss(logits, micro["labels"]))
+        engine.step()
+    for (name, p), q in zip(model.named_parameters(), own.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=name)
+    assert trainer.engine.steps == 4
+    logged = [entry["epsilon"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 4 and logged == sorted(logged) and logged[-1] == pytest.approx(engine.epsilon(1e-5))
+
+
+def test_classification_losses_are_per_sample_cross_entropy(tmp_path):
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = BertForSequenceClassification(config)
+    data = [{"input_ids": torch.randint(0, VOCAB, (T,)), "labels": torch.tensor(i % 3)} for i in range(N)]
+    privacy = PrivacyArguments(expected_batch_size=6, target_epsilon=4.0, delta=1e-4)
+    trainer = DPTrainer(model=model, args=training_args(tmp_path), train_dataset=data, privacy=privacy)
+    batch = trainer.data_collator(data[:5])
+    expected = nn.functional.cross_entropy(
+        model(input_ids=batch["input_ids"]).logits, batch["labels"], reduction="none"
+    )
+    torch.testing.assert_close(trainer.per_sample_loss(model, batch), expected)
+    trainer.train()
+    assert trainer.engine.steps == 4
+    assert (
+        0.99 * 4.0
+        <= flashdp.get_epsilon(noise_multiplier=trainer.engine.noise_multiplier, sample_rate=6 / N, steps=4, delta=1e-4)
+        <= 4.0
+    ), "sigma calibrated for the run's max_steps"
+
+
+def test_a_resumed_run_continues_the_accounting(tmp_path):
+    data = lm_records()
+    privacy = PrivacyArguments(expected_batch_size=5, noise_multiplier=0.8, seed=3)
+    args = training_args(tmp_path, save_strategy="steps", save_steps=2)
+    whole = DPTrainer(model=gpt2(), args=args, train_dataset=data, privacy=privacy)
+    whole.train()
+    checkpoint = os.path.join(tmp_path, "checkpoint-2")
+    assert os.path.isfile(os.path.join(checkpoint, ENGINE_STATE))
+    resumed = DPTrainer(model=gpt2(), args=args, train_dataset=data, privacy=privacy)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert resumed.engine.steps == 4
+    assert resumed.engine.epsilon(1e-5) == whole.engine.epsilon(1e-5)
+    os.remove(os.path.join(checkpoint, ENGINE_STATE))
+    with pytest.raises(FlashDPError, match="privacy already spent is unknown"):
+        DPTrainer(model=gpt2(), args=args, train_dataset=data, privacy=privacy).train(resume_from_checkpoint=checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "privacy", "message"),
+    [
+        ({"gradient_accumulation_steps": 2}, {}, "gradient_accumulation_steps=1"),
+        ({"max_grad_norm": 0.5}, {"max_grad_norm": 2.0}, "Two clipping bounds"),
+        ({"max_grad_norm": 0.0}, {}, "clipping bound"),
+        ({}, {"expected_batch_size": 1000}, "exceeds"),
+    ],
+)
+def test_settings_dp_cannot_honour_are_refused(tmp_path, overrides, privacy, message):
+    arguments = PrivacyArguments(**{"expected_batch_size": 4, "noise_multiplier": 1.0, **privacy})
+    with pytest.raises(FlashDPError, match=message):
+        DPTrainer(
+            model=gpt2(), args=training_args(tmp_path, **overrides), train_dataset=lm_records(), privacy=arguments
+        )

@@ -1,0 +1,56 @@
+"""flashdp.PerSampleNorms: per-sample gradient norms without clipping or noise, against the oracle."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import flashdp
+from tests.oracle import per_sample_grads
+
+
+def mlp(d: int, hidden: int) -> nn.Module:
+    torch.manual_seed(d * 100 + hidden)
+    return nn.Sequential(nn.Linear(d, hidden), nn.Tanh(), nn.LayerNorm(hidden), nn.Linear(hidden, 3)).double()
+
+
+@settings(max_examples=8, deadline=None)
+@given(batch=st.integers(1, 5), d=st.integers(1, 6), hidden=st.integers(1, 7))
+def test_norms_equal_the_oracle_and_leave_grad_untouched(batch, d, hidden):
+    model = mlp(d, hidden)
+    x, y = torch.randn(batch, d, dtype=torch.float64), torch.randint(0, 3, (batch,))
+
+    def loss_of(rows: slice) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(x[rows]), y[rows], reduction="none")
+
+    expected = per_sample_grads(model, loss_of, batch)
+    with flashdp.PerSampleNorms(model) as norms:
+        total = norms(loss_of(slice(None)))
+        by_param = norms(loss_of(slice(None)), per_parameter=True)
+    flat = torch.cat([g.reshape(batch, -1) for g in expected.values()], 1)
+    torch.testing.assert_close(total.double(), flat.norm(dim=1), rtol=1e-6, atol=1e-9)
+    assert by_param.keys() == expected.keys()
+    for name, g in expected.items():
+        torch.testing.assert_close(by_param[name].double(), g.reshape(batch, -1).norm(dim=1), rtol=1e-6, atol=1e-9)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_ordinary_training_may_follow_on_the_same_forward():
+    model = mlp(4, 5)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    reference = mlp(4, 5)
+    nn.functional.cross_entropy(reference(x), y).backward()
+    with flashdp.PerSampleNorms(model) as norms:
+        loss = nn.functional.cross_entropy(model(x), y, reduction="none")
+        assert norms(loss).shape == (6,)
+        loss.mean().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_loss_that_mixes_samples_is_refused():
+    model = mlp(3, 4)
+    with flashdp.PerSampleNorms(model) as norms, pytest.raises(flashdp.FlashDPError):
+        out = model(torch.randn(4, 3, dtype=torch.float64))
+        norms((out - out.mean(0)).pow(2).sum(1))

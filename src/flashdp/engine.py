@@ -590,7 +590,10 @@ class DPEngine:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from `state_dict()`: all of it is checked before anything is loaded."""
+        """Resume from `state_dict()`, e.g. `engine.load_state_dict(torch.load(path))` on an engine built with the
+        same noise_multiplier, sample_rate and max_grad_norm (a different one is refused: the accounting would not
+        describe the run). The accountant's history is restored, so `epsilon()` continues where it stopped; a
+        seeded run's noise generator too. All of the state is checked before anything is loaded."""
         if not isinstance(state, dict):
             raise FlashDPError(f"load_state_dict expects engine.state_dict()'s dict. Received {type(state).__name__}.")
         missing = [key for key in (*_RESUMED_SETTINGS, "accountant", "noise") if key not in state]
@@ -699,9 +702,15 @@ def make_private(
         noise_multiplier: sigma, the noise std in units of C. Or None, with target_epsilon, target_delta,
             sample_rate and steps (or epochs): sigma is then calibrated so the final epsilon is at most the target.
         optimizer: any torch optimizer over the model's parameters; needed by `engine.step()`.
-        expected_batch_size: the GLOBAL logical batch size (all ranks, all micro-batches of one step).
-        sample_rate: Poisson sampling rate q, for accounting.
+        expected_batch_size: the GLOBAL logical batch size (all ranks, all micro-batches of one step):
+            `sample_rate * len(dataset)`. The noisy sum is divided by it.
+        sample_rate: Poisson sampling rate q, for accounting (and for `engine.data_loader`).
         clipping: "flat", "per_layer" (layer l clipped to C / sqrt(#layers)) or "automatic" (C / (||g|| + 0.01)).
+        target_epsilon: with noise_multiplier=None, the epsilon the whole run may spend: sigma is calibrated so
+            that the epsilon after `steps` steps lies in [0.99 * target, target] (`flashdp.get_noise_multiplier`).
+        target_delta: the delta of that target, well below 1 / len(dataset) (e.g. 1e-5).
+        steps: the number of `engine.step()` calls the run will make (with target_epsilon).
+        epochs: instead of steps, passes over the data in expectation: `ceil(epochs / sample_rate)` steps.
         accountant: "pld" (tight, default) or "rdp".
         seed: makes the noise reproducible; NOT private (whoever knows it can remove the noise). Default: seeded
             from OS entropy.

@@ -115,6 +115,16 @@ def test_a_resumed_run_continues_the_accounting(tmp_path):
         DPTrainer(model=gpt2(), args=args, train_dataset=data, privacy=privacy).train(resume_from_checkpoint=checkpoint)
 
 
+def test_a_second_train_call_continues_with_the_same_engine(tmp_path):
+    privacy = PrivacyArguments(expected_batch_size=5, noise_multiplier=0.8)
+    trainer = DPTrainer(model=gpt2(), args=training_args(tmp_path), train_dataset=lm_records(), privacy=privacy)
+    trainer.train()
+    engine = trainer.engine
+    trainer.train()  # Trainer builds a scheduler again: over the torch optimizer, not the engine's step
+    assert trainer.engine is engine and engine.steps == 8
+    assert engine.epsilon(1e-5) == flashdp.get_epsilon(noise_multiplier=0.8, sample_rate=5 / N, steps=8, delta=1e-5)
+
+
 @pytest.mark.parametrize(
     ("overrides", "privacy", "message"),
     [

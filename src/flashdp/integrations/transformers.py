@@ -150,14 +150,18 @@ class DPTrainer(Trainer):
     # -- the engine ---------------------------------------------------------------------------------------
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-        """Trainer's scheduler, then the engine over the final optimizer (once Trainer will not change it)."""
+        """Trainer's scheduler over the torch optimizer, which the engine steps; the engine itself at the first
+        call, once Trainer will not change the optimizer. (Trainer creates a scheduler again on every train().)"""
+        torch_optimizer = optimizer or self._torch_optimizer()
+        scheduler = super().create_scheduler(num_training_steps, torch_optimizer)
         if self.engine is None:
-            # the scheduler follows the torch optimizer, which the engine steps (accelerate's wrapper holds it)
-            optimizer = optimizer or getattr(self.optimizer, "optimizer", self.optimizer)
-            scheduler = super().create_scheduler(num_training_steps, optimizer)
-            self._make_private(num_training_steps, optimizer)
-            return scheduler
-        return super().create_scheduler(num_training_steps, optimizer)
+            self._make_private(num_training_steps, torch_optimizer)
+        return scheduler
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        if self.engine is not None:
+            return self.engine.optimizer
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # (accelerate's wrapper holds it)
 
     def _make_private(self, num_training_steps: int, optimizer: torch.optim.Optimizer) -> None:
         privacy = self.privacy
@@ -197,7 +201,7 @@ class DPTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         total, count = torch.zeros((), device=self.args.device), 0
         for micro in flashdp.micro_batches(inputs, self.args.per_device_train_batch_size):
-            size = len(micro["labels"]) if "labels" in micro else _batch_size(micro)
+            size = _batch_size(micro)
             if size == 0:
                 self.engine.backward_empty()
                 continue

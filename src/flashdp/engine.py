@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from flashdp._checks import checked_delta
 from flashdp._pipeline import broadcast, coverage, guards, nonfinite, self_check
 from flashdp._pipeline.clipping import Clipping, clip_coefficients
 from flashdp._pipeline.norm_pass import batch_dims, check_calls, output_gradients, per_param_gradients
@@ -568,15 +569,14 @@ class DPEngine:
                 "epsilon() needs the Poisson sampling rate: make_private(..., sample_rate=q), with q = "
                 "expected_batch_size / len(dataset)."
             )
-        if not (isinstance(delta, int | float) and 0 < delta < 1):
-            raise FlashDPError(f"delta must be in (0, 1), e.g. 1e-5. Received {delta!r}.")
+        delta = checked_delta(delta)
         if self._sampling.finding is not None:
             warnings.warn(
                 f"This epsilon assumes Poisson sampling at rate {self.sample_rate}, but {self._sampling.finding}",
                 FlashDPWarning,
                 stacklevel=2,
             )
-        return self._accountant.epsilon(float(delta))
+        return self._accountant.epsilon(delta)
 
     def state_dict(self) -> dict:
         """What a resumed run needs to report the same epsilon: the settings it must match and the accountant's

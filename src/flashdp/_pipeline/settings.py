@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from flashdp._checks import is_int, is_number
 from flashdp._pipeline.clipping import CLIPPING_STYLES, Clipping
 from flashdp._pipeline.param_grad import StrategyChoice
 from flashdp.errors import FlashDPError
@@ -56,10 +57,10 @@ class EngineSettings:
         if self.secure_rng and self.seed is not None:
             raise FlashDPError("secure_rng=True draws from the OS CSPRNG and cannot be seeded; pass seed=None.")
         c = self.max_grad_norm
-        if not (isinstance(c, int | float) and not isinstance(c, bool) and 0 < c < float("inf")):
+        if not (is_number(c) and 0 < c < float("inf")):
             raise FlashDPError(f"max_grad_norm must be a positive finite number. Received {c!r}.")
         interval = self.self_check
-        if interval is not None and not (isinstance(interval, int) and not isinstance(interval, bool) and interval > 0):
+        if interval is not None and not (is_int(interval) and interval > 0):
             raise FlashDPError(
                 f"self_check is the number of backward calls between two self-checks (a positive int), or None to "
                 f"turn it off. Received {interval!r}."

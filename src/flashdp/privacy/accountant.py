@@ -3,6 +3,7 @@ default, tight; RDP as an option), cheap enough to ask for at every step (`flash
 
 from __future__ import annotations
 
+from flashdp._checks import is_number
 from flashdp.errors import FlashDPError
 from flashdp.privacy.composition import AccountantKind, History, composition
 
@@ -65,5 +66,5 @@ def _is_run(run: object) -> bool:
     if not (isinstance(run, list | tuple) and len(run) == 3):
         return False
     sigma, q, steps = run
-    numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in run)
+    numbers = all(is_number(x) for x in run)
     return numbers and sigma >= 0 and 0 <= q <= 1 and isinstance(steps, int) and steps > 0

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from flashdp._checks import checked_delta, is_int
 from flashdp.errors import FlashDPError
 from flashdp.privacy.composition import epsilon_of
-from flashdp.privacy.settings import PrivacyRequest, PrivacySettings
+from flashdp.privacy.settings import PrivacyRequest
 
 
 def get_noise_multiplier(
@@ -36,16 +37,11 @@ def get_epsilon(
 ) -> float:
     """The epsilon at `delta` of `steps` DP-SGD steps with Poisson sampling at `sample_rate` and noise multiplier
     sigma: what `engine.epsilon(delta)` reports after those steps."""
-    privacy = _checked(noise_multiplier, sample_rate, accountant)
-    if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0):
-        raise FlashDPError(f"steps must be an int >= 0. Received {steps!r}.")
-    if not (isinstance(delta, int | float) and not isinstance(delta, bool) and 0 < delta < 1):
-        raise FlashDPError(f"delta must be in (0, 1), e.g. 1e-5. Received {delta!r}.")
-    history = [(privacy.noise_multiplier, sample_rate, steps)] if steps else []
-    return epsilon_of(privacy.accountant, history, float(delta))
-
-
-def _checked(noise_multiplier: float, sample_rate: float, accountant: str) -> PrivacySettings:
     if sample_rate is None:
         raise FlashDPError("sample_rate (the Poisson sampling rate q, in (0, 1]) is required.")
-    return PrivacyRequest(noise_multiplier=noise_multiplier, sample_rate=sample_rate, accountant=accountant).resolve()
+    request = PrivacyRequest(noise_multiplier=noise_multiplier, sample_rate=sample_rate, accountant=accountant)
+    privacy = request.resolve()
+    if not (is_int(steps) and steps >= 0):
+        raise FlashDPError(f"steps must be an int >= 0. Received {steps!r}.")
+    history = [(privacy.noise_multiplier, sample_rate, steps)] if steps else []
+    return epsilon_of(privacy.accountant, history, checked_delta(delta))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from flashdp._checks import is_int, is_number
 from flashdp.errors import FlashDPError
 from flashdp.privacy.calibration import calibrate_noise_multiplier
 from flashdp.privacy.composition import ACCOUNTANTS, AccountantKind
@@ -36,7 +37,7 @@ class PrivacyRequest:
         """Checked, with sigma calibrated when a target epsilon was given."""
         self._check()
         sigma = self.noise_multiplier if self.noise_multiplier is not None else self._calibrate()
-        if not (_is_number(sigma) and 0 <= sigma < math.inf):
+        if not (is_number(sigma) and 0 <= sigma < math.inf):
             raise FlashDPError(f"noise_multiplier must be a finite number >= 0. Received {sigma!r}.")
         return PrivacySettings(float(sigma), self.expected_batch_size, self.sample_rate, self.accountant)
 
@@ -44,13 +45,13 @@ class PrivacyRequest:
         if self.accountant not in ACCOUNTANTS:
             raise FlashDPError(f"accountant must be one of {ACCOUNTANTS}. Received {self.accountant!r}.")
         q = self.sample_rate
-        if q is not None and not (_is_number(q) and 0 < q <= 1):
+        if q is not None and not (is_number(q) and 0 < q <= 1):
             raise FlashDPError(
                 f"sample_rate is the Poisson sampling probability q, in (0, 1]. Received {q!r}. "
                 "It is usually expected_batch_size / len(dataset)."
             )
         batch = self.expected_batch_size
-        if batch is not None and not (isinstance(batch, int) and not isinstance(batch, bool) and batch > 0):
+        if batch is not None and not (is_int(batch) and batch > 0):
             raise FlashDPError(
                 f"expected_batch_size must be a positive int (the global logical batch). Received {batch!r}."
             )
@@ -63,9 +64,9 @@ class PrivacyRequest:
 
     def _calibrate(self) -> float:
         target, delta, q = self.target_epsilon, self.target_delta, self.sample_rate
-        if not (_is_number(target) and 0 < target < math.inf):
+        if not (is_number(target) and 0 < target < math.inf):
             raise FlashDPError(f"target_epsilon must be a positive finite number. Received {target!r}.")
-        if not (_is_number(delta) and 0 < delta < 1):
+        if not (is_number(delta) and 0 < delta < 1):
             raise FlashDPError(f"target_epsilon needs target_delta in (0, 1), e.g. 1e-5. Received {delta!r}.")
         if q is None:
             raise FlashDPError("target_epsilon needs sample_rate (the Poisson sampling rate q) to calibrate sigma.")
@@ -75,14 +76,9 @@ class PrivacyRequest:
                 f"target_epsilon needs exactly one of steps and epochs. Received steps={steps!r}, epochs={epochs!r}."
             )
         if epochs is not None:
-            if not (_is_number(epochs) and epochs > 0):
+            if not (is_number(epochs) and epochs > 0):
                 raise FlashDPError(f"epochs must be positive. Received {epochs!r}.")
             steps = math.ceil(epochs / q)
-        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps > 0):
+        if not (is_int(steps) and steps > 0):
             raise FlashDPError(f"steps must be a positive int. Received {steps!r}.")
         return calibrate_noise_multiplier(self.accountant, float(target), float(delta), q, steps)
-
-
-def _is_number(x: object) -> bool:
-    """An int or float, not a bool (True would pass for 1)."""
-    return isinstance(x, int | float) and not isinstance(x, bool)

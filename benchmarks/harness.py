@@ -63,7 +63,7 @@ class Logits(torch.nn.Module):
         return self.model(input_ids=x, decoder_input_ids=x).logits
 
 
-def build_model(model_name: str, device: str) -> torch.nn.Module:
+def build_model(model_name: str, device: str, checkpointing: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     if model_name in ("vit", "t5"):
         import transformers
@@ -77,7 +77,7 @@ def build_model(model_name: str, device: str) -> torch.nn.Module:
             transformers.ViTForImageClassification if model_name == "vit" else transformers.T5ForConditionalGeneration
         )
         return Logits(model_class(config), model_name).to(device)
-    return (LlamaLike() if model_name == "llama" else SmallCNN()).to(device)
+    return (LlamaLike(checkpointing=checkpointing) if model_name == "llama" else SmallCNN()).to(device)
 
 
 def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -87,8 +87,14 @@ def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits, targets, reduction="none")
 
 
-def make_step(model_name: str, mode: str, seq: int, batch: int, device: str = "cpu") -> Callable[[], None]:
-    model = build_model(model_name, device)
+def make_step(
+    model_name: str, mode: str, seq: int, batch: int, device: str = "cpu", checkpointing: bool = False
+) -> Callable[[], None]:
+    """checkpointing: the Llama-like decoder's blocks are checkpointed (not with Opacus, whose hooks would see each
+    block's forward twice)."""
+    if checkpointing and mode.startswith("opacus"):
+        raise ValueError("Opacus does not support activation checkpointing")
+    model = build_model(model_name, device, checkpointing)
     x, y = data(model_name, seq, batch, device)
     if mode.startswith("opacus"):
         return _opacus_step(model, mode, x, y, batch)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class Attention(nn.Module):
@@ -41,10 +42,14 @@ class Block(nn.Module):
 
 
 class LlamaLike(nn.Module):
-    """Decoder: embedding, `layers` x (RMSNorm, causal attention, RMSNorm, gated MLP), RMSNorm, untied head."""
+    """Decoder: embedding, `layers` x (RMSNorm, causal attention, RMSNorm, gated MLP), RMSNorm, untied head.
+    checkpointing: each block's activations are recomputed in the backward (non-reentrant checkpoint)."""
 
-    def __init__(self, vocab: int = 4096, d: int = 256, layers: int = 4, heads: int = 4) -> None:
+    def __init__(
+        self, vocab: int = 4096, d: int = 256, layers: int = 4, heads: int = 4, checkpointing: bool = False
+    ) -> None:
         super().__init__()
+        self.checkpointing = checkpointing
         self.embed = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.norm = nn.RMSNorm(d, eps=1e-5)
@@ -53,7 +58,7 @@ class LlamaLike(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
         return self.head(self.norm(x))
 
 

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from flashdp._checks import checked_delta
 from flashdp._pipeline import broadcast, coverage, guards, nonfinite, self_check
 from flashdp._pipeline.clipping import Clipping, clip_coefficients
-from flashdp._pipeline.norm_pass import batch_dims, check_calls, output_gradients, per_param_gradients
+from flashdp._pipeline.collector import NormCollector
+from flashdp._pipeline.norm_pass import batch_dims, check_calls, output_gradients, stream_output_gradients
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice
 from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.profiling import PhaseTimer, profiling_requested
@@ -233,20 +234,71 @@ class DPEngine:
                 checking = self._self_check_enabled  # a new plan is checked at once
             self._structures.add(structure)
         plan = self._plan
-        calls = [c for c in calls if plan.site(c.module).match]  # the rule sites' calls (scopes only enclose)
-        if not calls:
+        rule_calls = [  # (scopes only enclose rule sites)
+            c if plan.site(c.module).match.rule.per_call else c.without_outputs()
+            for c in calls
+            if plan.site(c.module).match
+        ]
+        calls.clear()  # from here the norm pass owns the calls, and releases each once its gradients are in
+        if not rule_calls:
             raise FlashDPError(
                 "The loss does not depend on any trainable layer recorded in the last forward pass: compute the "
                 "per-sample losses from this model's output."
             )
+        held = self._graph_tensors(rule_calls) if checking else {}
+        dtypes = [loss.dtype, *(m.dtype for c in rule_calls for m in c.output_meta)]
         # a new structure, and every self-check, verifies that every layer's output rows are per-sample
         verify = (checking or new_structure) and self._adapter.second_backward
         verify &= batch > 1 or self._adapter.world_size > 1  # every rank runs the pass (FSDP collectives)
-        while True:  # a layer found shared across the batch, or time-major, only by verifying is learnt, then redone
+        if checking or verify:  # every output gradient is compared with another pass's: all are held
+            collector = self._held_norm_pass(loss, rule_calls, keep_graph or checking, keep_for_sum, verify)
+        else:
+            collector = self._streamed_norm_pass(loss, rule_calls, keep_graph, keep_for_sum)
+        plan = self._plan
+        with torch.no_grad(), kernels_backend(self.settings.backend), self._timer.phase("norm computation"):
+            norms = collector.finish()
+            self._strategies = {param.name: norm.strategy for param, norm in norms}
+            clip_norms_sq = _group_norms_sq(norms, len(plan.clip_group_names), batch, loss.device)
+            if not nonfinite.all_finite(clip_norms_sq):  # a float32 norm that overflowed, or a NaN/inf gradient
+                norms = self._float64_norms(loss, norms, collector, keep_graph)
+                clip_norms_sq = _group_norms_sq(norms, len(plan.clip_group_names), batch, loss.device)
+            del collector
+            if self.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
+                with self._timer.phase("communication"):
+                    dist.all_reduce(clip_norms_sq, op=dist.ReduceOp.SUM, group=self.norm_group)
+            skipped = nonfinite.nonfinite_samples(self.settings.nonfinite, clip_norms_sq, norms, self._adapter.dp_group)
+            if checking:
+                self._check_per_sample(loss, norms, held, self_check.tolerance(dtypes), retain_graph=keep_graph)
+        return _Measured(norms, clip_norms_sq, skipped)
+
+    def _collector(
+        self, calls: list[Call], batch: int, keep_for_sum: bool, shared: dict, **keep: bool
+    ) -> NormCollector:
+        return NormCollector(
+            self._plan,
+            calls,
+            batch,
+            strategy=self.settings.norm_strategy,
+            keep_for_sum=keep_for_sum,
+            backend=self.settings.backend,
+            recorder=self._recorder,
+            shared=shared,
+            **keep,
+        )
+
+    def _held_norm_pass(
+        self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool, verify: bool
+    ) -> NormCollector:
+        """The norm pass holding every output gradient until all are in: verified for batch independence, then
+        collected (in call order). A layer found shared across the batch, or time-major, only by verifying is
+        learnt, and the pass redone."""
+        batch = loss.shape[0]
+        while True:
+            plan = self._plan
             shared = self._shared_outputs(loss, calls, batch)
             sharing = broadcast.per_sample_gradients(list(shared.values()), batch)
             with self._timer.phase("norm pass"), self._adapter.norm_pass(), sharing:
-                output_grads = output_gradients(loss, calls, retain_graph=keep_graph or checking or verify)
+                output_grads = output_gradients(loss, calls, retain_graph=keep_graph or verify)
             with torch.no_grad():
                 check_calls(plan, calls, output_grads, batch, shared)
                 failing = self._batch_independence(loss, calls, output_grads, shared) if verify else []
@@ -255,30 +307,50 @@ class DPEngine:
             if not self._learn_layout(loss, calls, failing, batch):
                 sites = [plan.site(c.module).label for c in calls]
                 raise self_check.batch_independence_error([sites[i] for i in failing], sites)
-            plan = self._plan
-        shared_grads = {key: output.per_sample for key, output in shared.items()}
-        # the recorded activations require grad; nothing below is differentiated
-        with torch.no_grad(), kernels_backend(self.settings.backend), self._timer.phase("norm computation"):
-            with self._recorder.paused():  # the generic rule re-runs forwards
-                grads = per_param_gradients(plan, calls, output_grads, batch, self.settings.norm_strategy, shared_grads)
-            held = self._graph_tensors(calls) if checking else {}
-            dtypes = [loss.dtype, *(m.dtype for c in calls for m in c.output_meta)]
-            # From here on only the ParamGradients hold activations and output gradients, and each plan only
-            # what its clipped sum needs (a directly-normed layer keeps only its per-sample gradient).
-            del calls, output_grads, shared, shared_grads
-            norms = self._norms(grads, keep_for_sum=keep_for_sum)
-            clip_norms_sq = _group_norms_sq(norms, len(plan.clip_group_names), batch, loss.device)
-            if not nonfinite.all_finite(clip_norms_sq):  # a float32 norm that overflowed, or a NaN/inf gradient
-                norms = nonfinite.recompute_overflowed(norms, grads)
-                clip_norms_sq = _group_norms_sq(norms, len(plan.clip_group_names), batch, loss.device)
-            del grads
-            if self.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
-                with self._timer.phase("communication"):
-                    dist.all_reduce(clip_norms_sq, op=dist.ReduceOp.SUM, group=self.norm_group)
-            skipped = nonfinite.nonfinite_samples(self.settings.nonfinite, clip_norms_sq, norms, self._adapter.dp_group)
-            if checking:
-                self._check_per_sample(loss, norms, held, self_check.tolerance(dtypes), retain_graph=keep_graph)
-        return _Measured(norms, clip_norms_sq, skipped)
+        collector = self._collector(calls, batch, keep_for_sum, shared, keep_gradients=True)
+        calls.clear()
+        with self._timer.phase("norm computation"):
+            for index in range(len(output_grads)):
+                grads, output_grads[index] = output_grads[index], ()
+                collector.receive(index, grads)
+        return collector
+
+    def _streamed_norm_pass(
+        self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool
+    ) -> NormCollector:
+        """The norm pass handing each call's output gradients to the collector as autograd computes them (their
+        norms are then part of the "norm pass" phase). Calls with an output shared across the batch wait for the
+        end of the pass, where their per-sample gradients are ready.
+
+        A float32 norm that overflows is recomputed in float64: in bk from the clipped-sum plans, in ghost and flash
+        by a second norm pass over the kept graph. Under FSDP one rank cannot run a pass alone: there ghost and
+        flash hold every output gradient (`_held_norm_pass`) and recompute from them. `calls` is emptied: the
+        collector releases each call once its gradients are in."""
+        if not keep_for_sum and self._adapter.reshards_after_forward:
+            return self._held_norm_pass(loss, calls, keep_graph, keep_for_sum, verify=False)
+        batch = loss.shape[0]
+        shared = self._shared_outputs(loss, calls, batch)
+        collector = self._collector(calls, batch, keep_for_sum, shared, keep_calls=not keep_for_sum)
+        sharing = broadcast.per_sample_gradients(list(shared.values()), batch)
+        with self._timer.phase("norm pass"), self._adapter.norm_pass(), sharing:
+            stream_output_gradients(loss, calls, collector.receive, {i for i, _ in shared}, retain_graph=keep_graph)
+        return collector
+
+    def _float64_norms(
+        self, loss: Tensor, norms: list[tuple[TrainableParam, ParamNorm]], collector: NormCollector, keep_graph: bool
+    ) -> list[tuple[TrainableParam, ParamNorm]]:
+        """`norms` with every parameter whose squared norms are not all finite recomputed in float64 (see
+        `_streamed_norm_pass`)."""
+        gradients = collector.gradients
+        if any(n.plan is None and p.key not in gradients for p, n in norms if not nonfinite.all_finite(n.norm_sq)):
+            redo = self._collector(collector.calls, loss.shape[0], False, {}, keep_gradients=True)
+            with self._adapter.norm_pass():
+                grads = output_gradients(loss, collector.calls, retain_graph=keep_graph)
+            for index, call_grads in enumerate(grads):
+                redo.receive(index, call_grads)
+            redo.finish()
+            gradients = redo.gradients
+        return nonfinite.recompute_overflowed(norms, gradients, loss.shape[0])
 
     def _clip_coefficients(self, group_norms_sq: Tensor) -> Tensor:
         """`[L, B]` clipping coefficients from `[L, B]` squared norms of the clipping groups."""

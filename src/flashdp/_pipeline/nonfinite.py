@@ -10,6 +10,8 @@ zero contribution ("skip"), which keeps each sample's contribution at norm at mo
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -27,14 +29,19 @@ def all_finite(norms_sq: Tensor) -> bool:
     return bool(torch.isfinite(norms_sq).all())
 
 
-def recompute_overflowed(norms: Norms, grads: list[tuple[TrainableParam, ParamGradient]]) -> Norms:
-    """`norms` with every parameter whose squared norms are not all finite recomputed in float64."""
-    grad_of = {param.key: grad for param, grad in grads}
-    return [(param, norm if all_finite(norm.norm_sq) else _widened(norm, grad_of[param.key])) for param, norm in norms]
+def recompute_overflowed(norms: Norms, gradients: Mapping[Hashable, ParamGradient], batch: int) -> Norms:
+    """`norms` with every parameter whose squared norms are not all finite recomputed in float64, from its
+    contributions (`gradients`, by parameter key) where given, else from its clipped-sum plan."""
+    return [
+        (param, norm if all_finite(norm.norm_sq) else _widened(norm, param, gradients, batch)) for param, norm in norms
+    ]
 
 
-def _widened(norm: ParamNorm, grad: ParamGradient) -> ParamNorm:
-    return ParamNorm(grad.norm_sq_float64(), norm.strategy, norm.plan)
+def _widened(
+    norm: ParamNorm, param: TrainableParam, gradients: Mapping[Hashable, ParamGradient], batch: int
+) -> ParamNorm:
+    gradient = gradients.get(param.key) or ParamGradient.from_plan(param.name, norm.plan, batch)
+    return ParamNorm(gradient.norm_sq_float64(), norm.strategy, norm.plan)
 
 
 def nonfinite_samples(

@@ -1,15 +1,16 @@
 """The norm pass: the gradient of the summed loss at every rule site call's outputs, in one autograd pass that
-computes no parameter gradient, turned by each site's rule into per-sample gradients collected per parameter."""
+computes no parameter gradient (all at once, or streamed call by call as autograd computes them), and each site's
+rule turning one call's output gradients into per-sample gradients."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import Node
 
-from flashdp._pipeline.param_grad import ParamGradient, StrategyChoice
-from flashdp._pipeline.params import TrainableParam, attribute
+from flashdp._pipeline.params import attribute
 from flashdp._pipeline.recorder import Call
 from flashdp._pipeline.scan import GradientPlan, Site
 from flashdp.errors import FlashDPError
@@ -39,6 +40,78 @@ def output_gradients(loss: Tensor, calls: Sequence[Call], retain_graph: bool) ->
         out.append(_outside_gradients(call, call_grads, feeds) if feeds else tuple(call_grads))
         start += len(call.edges)
     return out
+
+
+def stream_output_gradients(
+    loss: Tensor,
+    calls: list[Call],
+    receive: Callable[[int, OutputGrads], None],
+    held: Collection[int],
+    retain_graph: bool,
+) -> None:
+    """`output_gradients`, handed to `receive(index, grads)` call by call; each gradient of a one-output call not
+    in `held` is handed over as autograd computes it and lives no longer than in a plain backward.
+
+    Autograd keeps every gradient it is asked for until the pass ends. So only the gradients at the bottom of the
+    graph are asked for: those of `held` calls, and of calls below which no other call's output lies. Every other
+    call's output is on the way to one of those, so autograd runs its node, and a pre-hook on that node takes the
+    gradient flowing in. `calls` is emptied: this function keeps only the edges of the calls it does not ask
+    autograd about (whoever receives a call's gradients holds the call)."""
+    edges = {(e.node, e.output_nr) for c in calls for e in c.edges}
+    above = _above_other_edges(loss, edges)
+    single = {
+        i: c.edges[0] for i, c in enumerate(calls) if i not in held and len(c.edges) == 1 and c.edges[0].node in above
+    }
+    asked = {i: c for i, c in enumerate(calls) if i not in single}
+    calls.clear()
+    hooked: dict[Node, list[tuple[int, int]]] = {}  # node -> (output_nr, call index)
+    for index, edge in single.items():
+        hooked.setdefault(edge.node, []).append((edge.output_nr, index))
+    handovers = [_Handover(slots, receive) for slots in hooked.values()]
+    handles = [node.register_prehook(h) for node, h in zip(hooked, handovers, strict=True)]
+    try:
+        grads = output_gradients(loss, list(asked.values()), retain_graph)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for index, call_grads in zip(asked, grads, strict=True):
+        receive(index, call_grads)
+    for handover in handovers:
+        if not handover.ran:  # (autograd runs a node on the way to an asked gradient unless none flows into it)
+            for _, index in handover.slots:
+                receive(index, (None,))
+
+
+class _Handover:
+    """A pre-hook on one node: hands the gradient flowing into each recorded output of the node to its call."""
+
+    def __init__(self, slots: list[tuple[int, int]], receive: Callable[[int, OutputGrads], None]) -> None:
+        self.slots, self.receive, self.ran = slots, receive, False
+
+    def __call__(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
+        if self.ran:  # a later pass over the same nodes (`_outside_gradients` for the held calls)
+            return
+        self.ran = True
+        for output_nr, index in self.slots:
+            self.receive(index, (grad_outputs[output_nr],))
+
+
+def _above_other_edges(loss: Tensor, edges: Collection[tuple[Node, int]]) -> set[Node]:
+    """The nodes reachable from the loss from which one of `edges` (node, input slot) is reachable by at least
+    one step: autograd runs them to compute that edge's gradient. One walk over the graph."""
+    reaches: dict[Node, bool] = {}
+    pending: list[tuple[Node, bool]] = [(loss.grad_fn, False)] if loss.grad_fn is not None else []
+    while pending:
+        node, children_done = pending.pop()
+        if children_done:
+            reaches[node] = any(
+                child is not None and ((child, nr) in edges or reaches[child]) for child, nr in node.next_functions
+            )
+        elif node not in reaches:
+            reaches[node] = False  # (a DAG: set for real once its children are done)
+            pending.append((node, True))
+            pending.extend((child, False) for child, _ in node.next_functions if child is not None)
+    return {node for node, above in reaches.items() if above}
 
 
 def _feeding_outputs(call: Call) -> dict[int, list[int]]:
@@ -113,49 +186,31 @@ def check_calls(
             if call.modified_in_place():
                 raise call.hidden_by_in_place_error(site.label)
             continue
-        dims = batch_dims(site, call)
-        for j, (meta, grad, dim) in enumerate(zip(call.output_meta, grads, dims, strict=True)):
-            if grad is not None and (index, j) not in shared:
-                _check_batch(site, meta.shape[dim] if len(meta.shape) > dim else 1, batch)
+        check_call(site, call, grads, index, batch, shared)
 
 
-def per_param_gradients(
-    plan: GradientPlan,
-    calls: Sequence[Call],
-    output_grads: Sequence[OutputGrads],
-    batch: int,
-    strategy: StrategyChoice,
-    shared: SharedGrads | None = None,
-) -> list[tuple[TrainableParam, ParamGradient]]:
-    """Every trainable parameter reached by the loss, with its per-sample contributions from every call (checked
-    by `check_calls`)."""
-    by_param: dict[Hashable, tuple[TrainableParam, ParamGradient]] = {}
-    for index, (call, grads) in enumerate(zip(calls, output_grads, strict=True)):
-        if all(g is None for g in grads):
-            continue  # this call's outputs do not reach the loss
-        site = plan.site(call.module)
-        params = [plan.param_of[(id(call.module), name)] for name in site.trainable]
-        mine = {j: g for (i, j), g in (shared or {}).items() if i == index}
-        if batch == 0:  # a rank without samples this step: nothing to add, but the same parameters as others
-            per_sample = {n: grads[0].new_zeros(0, *p.shape) for n, p in zip(site.trainable, params, strict=True)}
-        else:
-            per_sample = _run_rule(site, call, grads, batch, mine)
-        missing = set(site.trainable) - set(per_sample)
-        if missing:
-            raise FlashDPError(
-                f"Rule {site.match.rule.name} returned no per-sample gradient for {sorted(missing)} of layer "
-                f"{site.label}."
-            )
-        for name, param in zip(site.trainable, params, strict=True):
-            if param.key not in by_param:
-                by_param[param.key] = (param, ParamGradient(param.name, param.shape, batch, strategy))
-            by_param[param.key][1].add(per_sample[name], site.label, generic=site.is_generic)
-    if not by_param:
+def check_call(
+    site: Site, call: Call, grads: OutputGrads, index: int, batch: int, shared: Collection[tuple[int, int]]
+) -> None:
+    """One call whose outputs reach the loss was made on this batch, batch first (or shared across it)."""
+    dims = batch_dims(site, call)
+    for j, (meta, grad, dim) in enumerate(zip(call.output_meta, grads, dims, strict=True)):
+        if grad is not None and (index, j) not in shared:
+            _check_batch(site, meta.shape[dim] if len(meta.shape) > dim else 1, batch)
+
+
+def per_sample_gradients(
+    site: Site, call: Call, grads: OutputGrads, batch: int, shared: dict[int, Tensor]
+) -> dict[str, PerSampleGrad]:
+    """Per trainable parameter of a rule site, its per-sample gradient from one call (checked by `check_call`).
+    shared: output index -> the per-sample gradient `[B, *shape]` of an output shared across the batch."""
+    per_sample = _run_rule(site, call, grads, batch, shared)
+    missing = set(site.trainable) - set(per_sample)
+    if missing:
         raise FlashDPError(
-            "The loss does not depend on any trainable layer recorded in the last forward pass: compute the "
-            "per-sample losses from this model's output."
+            f"Rule {site.match.rule.name} returned no per-sample gradient for {sorted(missing)} of layer {site.label}."
         )
-    return list(by_param.values())
+    return per_sample
 
 
 def _run_rule(

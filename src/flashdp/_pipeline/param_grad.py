@@ -97,6 +97,15 @@ class ParamGradient:
         self.blocks: list[OuterGrad] = []
         self.generic = False  # counted by the generic rule (shown as the strategy)
 
+    @classmethod
+    def from_plan(cls, name: str, plan: ClippedSumPlan, batch_size: int) -> ParamGradient:
+        """The contributions a clipped-sum plan keeps, as a ParamGradient (its norms recomputed from them)."""
+        gradient = cls(name, plan.shape, batch_size)
+        if plan.per_sample is not None:
+            gradient.per_sample = plan.per_sample.reshape(batch_size, *plan.shape)
+        gradient.blocks = [b for b in (plan.factors, plan.tokens) if b is not None]
+        return gradient
+
     def add(self, grad: PerSampleGrad, source: str, generic: bool = False) -> None:
         self.generic |= generic
         if isinstance(grad, OuterGrad):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -41,7 +41,8 @@ class Call:
     #: per output tensor that requires grad: where it sits in the output, its shape and dtype
     output_meta: tuple[OutputMeta, ...]
     edges: tuple[GradientEdge, ...]
-    #: a rule site's outputs (None for a scope's, which are not kept: that would hold e.g. the logits)
+    #: the outputs a per-call rule reads, and those an in-place op could hide from the norm pass (see `_hideable`);
+    #: None for the others, which a plain backward would free (e.g. the logits, once the loss has its log-softmax)
     outputs: tuple[Tensor | None, ...]
     output_versions: tuple[int, ...]
     #: a rule site's counted parameters, as held during the call
@@ -51,6 +52,8 @@ class Call:
     autocast: tuple[str, torch.dtype] | None
     #: the random number generators' state as the call began, for a rule that replays its random draws
     rng_state: RngState | None = None
+    #: an output was modified in place before `without_outputs` dropped them
+    was_modified: bool = False
 
     @property
     def inputs(self) -> tuple:
@@ -58,7 +61,15 @@ class Call:
         return self.args or tuple(self.kwargs.values())
 
     def modified_in_place(self) -> bool:
-        return any(o is not None and o._version != v for o, v in zip(self.outputs, self.output_versions, strict=True))
+        return self.was_modified or any(
+            o is not None and o._version != v for o, v in zip(self.outputs, self.output_versions, strict=True)
+        )
+
+    def without_outputs(self) -> Call:
+        """This call without its outputs, which a plain backward would have freed (the logits, once the loss has
+        its log-softmax), for a rule that does not read them; whether one was modified in place is kept (the
+        forward is over: nothing modifies them any more)."""
+        return replace(self, outputs=(None,) * len(self.outputs), was_modified=self.modified_in_place())
 
     def hidden_by_in_place_error(self, label: str) -> FlashDPError:
         return FlashDPError(
@@ -139,7 +150,7 @@ class Recorder:
                 input_edges=tuple(get_gradient_edge(t) for t in inputs),
                 output_meta=tuple(OutputMeta(i, leaves[i].shape, leaves[i].dtype) for i in slots),
                 edges=tuple(get_gradient_edge(_reshape_base(t)) for t in outputs),
-                outputs=tuple(t if counting else None for t in outputs),
+                outputs=tuple(t if counting and (site.match.rule.per_call or _hideable(t)) else None for t in outputs),
                 output_versions=tuple(t._version for t in outputs),
                 params=params,
                 frozen=frozen,
@@ -228,6 +239,12 @@ def _check_call(site: Site, args: tuple, kwargs: dict, output: object) -> None:
         raise FlashDPError(f"Layer {site.label} returned {type(output).__name__}; its rule expects one output tensor.")
     if output.requires_grad and output.dim() == 0:
         raise FlashDPError(f"Layer {site.label} returned a scalar; expected a batched output [B, ...].")
+
+
+def _hideable(output: Tensor) -> bool:
+    """Whether a later in-place op on `output` could re-route the graph around its recorded edge: only on a view
+    whose edge is its own (on any other tensor, the in-place op's node leads to the recorded one)."""
+    return output._base is not None and _reshape_base(output) is output
 
 
 def _reshape_base(output: Tensor) -> Tensor:

@@ -1,0 +1,144 @@
+"""From each call's output gradients to every trainable parameter's per-sample norms, as the gradients arrive.
+
+The norm pass hands the collector one call's output gradients at a time (`receive`), in whatever order autograd
+produces them. The call's rule turns them into per-sample gradients; as soon as every call that counts a parameter
+has been received, the parameter's norms and clipped-sum plan are computed and its contributions dropped, so that
+an output gradient lives no longer than in a non-private backward (plus what the plan keeps). The results do not
+depend on the arrival order: each parameter's contributions are summed in call order, as one pass over all of them
+would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flashdp._pipeline.broadcast import SharedOutput
+from flashdp._pipeline.norm_pass import OutputGrads, check_call, per_sample_gradients
+from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice
+from flashdp._pipeline.params import TrainableParam
+from flashdp._pipeline.recorder import Call, Recorder
+from flashdp._pipeline.scan import GradientPlan
+from flashdp.errors import FlashDPError
+from flashdp.kernels import Backend
+from flashdp.kernels import backend as kernels_backend
+from flashdp.per_sample import PerSampleGrad
+
+
+@dataclass(frozen=True)
+class _Part:
+    call_index: int
+    grad: PerSampleGrad
+    source: str
+    generic: bool
+
+
+class NormCollector:
+    """Per-sample norms of every trainable parameter reached by the loss, from the calls' output gradients.
+
+    keep_calls: keep each call (without its outputs) after receiving it, for a second norm pass over the same
+        graph; else it is released at once (its inputs are then freed with the graph, as in a plain backward).
+    keep_gradients: keep each parameter's `ParamGradient` (its contributions) after its norms, for a float64
+        recomputation of a norm that overflowed float32.
+    shared: the outputs shared across the batch, by (call index, output index); their per-sample gradients are
+        read when their call is received.
+    """
+
+    def __init__(
+        self,
+        plan: GradientPlan,
+        calls: Sequence[Call],
+        batch: int,
+        *,
+        strategy: StrategyChoice,
+        keep_for_sum: bool,
+        backend: Backend,
+        recorder: Recorder,
+        shared: Mapping[tuple[int, int], SharedOutput] | None = None,
+        keep_calls: bool = False,
+        keep_gradients: bool = False,
+    ) -> None:
+        self.plan, self.batch = plan, batch
+        self._calls: list[Call | None] = list(calls)
+        self._kept: list[Call] = [c.without_outputs() for c in calls] if keep_calls else []
+        self._strategy, self._keep_for_sum, self._backend = strategy, keep_for_sum, backend
+        self._recorder, self._shared = recorder, shared or {}
+        self._keep_gradients = keep_gradients
+        self._pending: dict[Hashable, int] = {}  # parameter -> calls counting it not yet received
+        self._params: dict[Hashable, TrainableParam] = {}
+        for call in calls:
+            site = plan.site(call.module)
+            for name in site.trainable:
+                param = plan.param_of[(id(call.module), name)]
+                self._params[param.key] = param
+                self._pending[param.key] = self._pending.get(param.key, 0) + 1
+        self._parts: dict[Hashable, list[_Part]] = {}
+        self._first_call: dict[Hashable, int] = {}
+        self._norms: dict[Hashable, ParamNorm] = {}
+        self.gradients: dict[Hashable, ParamGradient] = {}
+        self._unreached: list[Call] = []
+
+    @property
+    def calls(self) -> list[Call]:
+        """The calls (without their outputs), when kept."""
+        return self._kept
+
+    def receive(self, index: int, grads: OutputGrads) -> None:
+        """Call `index`'s output gradients (None where an output does not reach the loss); they are not kept."""
+        call, self._calls[index] = self._calls[index], None
+        site = self.plan.site(call.module)
+        if all(g is None for g in grads):
+            self._unreached.append(call)  # (checked at the end: an output modified in place hides its gradient)
+        else:
+            check_call(site, call, grads, index, self.batch, self._shared)
+            per_sample = self._per_sample(index, call, grads)
+            for name in site.trainable:
+                key = self.plan.param_of[(id(call.module), name)].key
+                self._parts.setdefault(key, []).append(_Part(index, per_sample[name], site.label, site.is_generic))
+                self._first_call.setdefault(key, index)
+        del call, grads
+        for name in site.trainable:
+            key = self.plan.param_of[(id(site.module), name)].key
+            self._pending[key] -= 1
+            if not self._pending[key] and key in self._parts:
+                self._finalise(key)
+
+    def _per_sample(self, index: int, call: Call, grads: OutputGrads) -> dict[str, PerSampleGrad]:
+        site = self.plan.site(call.module)
+        if self.batch == 0:  # a rank without samples this step: nothing to add, but the same parameters as others
+            shapes = [self.plan.param_of[(id(call.module), name)].shape for name in site.trainable]
+            like = next(g for g in grads if g is not None)
+            return {name: like.new_zeros(0, *shape) for name, shape in zip(site.trainable, shapes, strict=True)}
+        mine = {j: output.per_sample for (i, j), output in self._shared.items() if i == index}
+        # the generic rule re-runs forwards; under CUDA this runs on autograd's thread, where no context is set
+        with torch.no_grad(), kernels_backend(self._backend), self._recorder.paused():
+            return per_sample_gradients(site, call, grads, self.batch, mine)
+
+    def _finalise(self, key: Hashable) -> None:
+        param = self._params[key]
+        gradient = ParamGradient(param.name, param.shape, self.batch, self._strategy)
+        for part in sorted(self._parts.pop(key), key=lambda p: p.call_index):
+            gradient.add(part.grad, part.source, generic=part.generic)
+        with torch.no_grad(), kernels_backend(self._backend):
+            self._norms[key] = gradient.norm_sq(self._keep_for_sum)
+        if self._keep_gradients:
+            self.gradients[key] = gradient
+
+    def finish(self) -> list[tuple[TrainableParam, ParamNorm]]:
+        """Every reached parameter's norms, in the order of the first call counting it (as a single pass over the
+        calls in forward order would list them). Raises if the loss reached no trainable layer."""
+        for call in self._unreached + [c for c in self._calls if c is not None]:
+            if call.modified_in_place():
+                raise call.hidden_by_in_place_error(self.plan.site(call.module).label)
+        self._calls = []
+        for key in list(self._parts):  # parameters some of whose calls do not reach the loss
+            self._finalise(key)
+        if not self._norms:
+            raise FlashDPError(
+                "The loss does not depend on any trainable layer recorded in the last forward pass: compute the "
+                "per-sample losses from this model's output."
+            )
+        order = sorted(self._norms, key=self._first_call.__getitem__)
+        return [(self._params[key], self._norms[key]) for key in order]

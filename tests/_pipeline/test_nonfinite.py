@@ -68,14 +68,19 @@ def test_skip_is_refused_where_a_second_backward_fills_grad(mode):
         _engine(_model(), mode=mode, nonfinite="skip")
 
 
+@pytest.mark.parametrize("backwards", [1, 2], ids=["held pass", "streamed pass"])
 @pytest.mark.parametrize("mode", MODES)
-def test_a_norm_beyond_float32_squares_is_clipped_to_c_not_dropped(mode):
-    """A per-sample norm of about 1e20 squares to 1e40, beyond float32: the sample must still contribute C."""
+def test_a_norm_beyond_float32_squares_is_clipped_to_c_not_dropped(mode, backwards):
+    """A per-sample norm of about 1e20 squares to 1e40, beyond float32: the sample must still contribute C. The
+    streamed pass (a second backward) no longer has the contributions: bk recomputes from its plans, ghost and
+    flash from a second norm pass."""
     model = _model(activation=nn.ReLU)  # (tanh would saturate)
     x = torch.randn(3, 3)
     x[1] *= 1e20
     engine = _engine(model, mode=mode)
-    norms = engine.backward(model(x).sum(1))
+    for _ in range(backwards):
+        model.zero_grad()
+        norms = engine.backward(model(x).sum(1))
     engine.detach()
 
     reference = _model(torch.float64, nn.ReLU)

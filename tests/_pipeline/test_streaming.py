@@ -15,9 +15,8 @@ from tests.conftest import MODES
 from tests.hf.zoo import CASES, PEFT_CASES, B
 
 ALL = CASES | {f"peft_{name}": case for name, case in PEFT_CASES.items()}
-#: one rule site call at the bottom of the graph, asked of autograd: prompt tuning trains its prompt embedding
-#: only; DeBERTa-v3 reads its relative embeddings directly, so the generic rule counts the encoder as one call
-NOTHING_TO_STREAM = {"peft_prompt_tuning", "deberta_v3"}
+#: one rule site call at the bottom of the graph, asked of autograd: prompt tuning trains its prompt embedding only
+NOTHING_TO_STREAM = {"peft_prompt_tuning"}
 
 
 def _backward(engine, model, loss_of) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -45,14 +44,16 @@ def handovers(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("name", sorted(ALL))
 def test_streamed_pass_equals_the_held_pass_bit_for_bit(name, mode, handovers):
     """The first backward of a forward structure holds every output gradient (it verifies batch independence);
-    the next streams. Same norms, same gradients, same strategies."""
+    the next ones stream (the third at the latest: the first may move parameters to the generic rule, which makes
+    a new structure). Same norms, same gradients, same strategies."""
     case = ALL[name]()
     model = case.build().to(case.dtype).eval()
     engine = flashdp.make_private(model, mode=mode, max_grad_norm=1e-2, noise_multiplier=1.0, self_check=None)
     loss_of = lambda: case.loss(model, slice(0, B))  # noqa: E731
     held_norms, held_grads = _backward(engine, model, loss_of)
     held_strategies = engine.strategies
-    assert not handovers
+    _backward(engine, model, loss_of)
+    handovers.clear()  # (a verification pass streams too)
     streamed_norms, streamed_grads = _backward(engine, model, loss_of)
     assert bool(handovers) == (name not in NOTHING_TO_STREAM)
     assert engine.strategies == held_strategies

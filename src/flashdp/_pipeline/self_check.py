@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from flashdp._pipeline.norm_pass import output_gradients
+from flashdp._pipeline.norm_pass import stream_output_gradients
 from flashdp._pipeline.param_grad import ClippedSumPlan
 from flashdp._pipeline.recorder import Call
 from flashdp.errors import FlashDPError
@@ -80,10 +80,14 @@ def batch_independence_failures(
     weights = _powers_of_two(batch, generator).to(loss.device)
     with torch.enable_grad():
         weighted_loss = loss * weights.to(loss.dtype)
-    weighted = output_gradients(weighted_loss, calls, retain_graph=True)
-    failing = []
-    for index, (call, grads, again, dims) in enumerate(zip(calls, output_grads, weighted, batch_dims, strict=True)):
-        for j, (meta, grad, weighted_grad, dim) in enumerate(zip(call.output_meta, grads, again, dims, strict=True)):
+    failing: list[int] = []
+
+    def compare(index: int, weighted: tuple[Tensor | None, ...]) -> None:
+        """One call's weighted output gradients against its unweighted ones, as the weighted pass computes them."""
+        call = calls[index]
+        for j, (meta, grad, weighted_grad, dim) in enumerate(
+            zip(call.output_meta, output_grads[index], weighted, batch_dims[index], strict=True)
+        ):
             if grad is None or weighted_grad is None or (index, j) in shared or batch < 2:
                 continue
             # rows of sample i: row i, or rows i * k .. i * k + k - 1 of a batch folded into B * k rows
@@ -93,8 +97,10 @@ def batch_independence_failures(
             scale = expected.norm(dim=1) + got.norm(dim=1)
             if bool((error > rtol * (scale + 1e-3 * scale.max())).any()):
                 failing.append(index)
-                break
-    return failing
+                return
+
+    stream_output_gradients(weighted_loss, list(calls), compare, held=(), retain_graph=True)
+    return sorted(failing)
 
 
 def batch_independence_error(failing: Sequence[str], every: Sequence[str]) -> FlashDPError:

@@ -121,14 +121,24 @@ def main() -> None:
 def table(rows: list[dict]) -> str:
     """Markdown: per shape and checkpointing, each mode's peak (and first-step peak) memory and time, with its
     ratio to non-private."""
-    lines = ["| T | B | ckpt | mode | peak MiB (x) | first step MiB (x) | time ms (x) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| T | B | ckpt | mode | peak MiB (x) | first step MiB (x) | time ms (x) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     base = {(r["T"], r["B"], r["checkpointing"]): r for r in rows if r["mode"] == "non-private"}
     for r in rows:
         b = base[(r["T"], r["B"], r["checkpointing"])]
-        ratio = lambda key: f"{r[key]:.0f} ({r[key] / b[key]:.2f}x)" if r[key] != "" else "-"  # noqa: E731
-        lines.append(f"| {r['T']} | {r['B']} | {'yes' if r['checkpointing'] else 'no'} | {r['mode']} | "
-                     f"{ratio('peak_mib')} | {ratio('first_mib')} | {ratio('time_ms')} |")  # fmt: skip
+        cells = [_with_ratio(r[key], b[key]) for key in ("peak_mib", "first_mib", "time_ms")]
+        lines.append(
+            f"| {r['T']} | {r['B']} | {'yes' if r['checkpointing'] else 'no'} | {r['mode']} | "
+            + " | ".join(cells)
+            + " |"
+        )
     return "\n".join(lines)
+
+
+def _with_ratio(value: float | str, base: float | str) -> str:
+    return "-" if value == "" or base == "" else f"{value:.0f} ({value / base:.2f}x)"
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Memory: each (shape, mode, checkpointing) in its own process; the peak the secon
 when it starts (benchmarks/memory.py: the allocator's record on CPU, `max_memory_allocated` on GPU), and the same for
 the first step, which also runs flashdp's checks (batch independence on a new forward structure, the self-check).
 Time: the modes of one shape in one process, interleaved, median of `--rounds` steps after a warm-up step.
-Writes docs/benchmarks/long_context.csv and prints a markdown table.
+Writes docs/benchmarks/long_context.csv (`--append`: adds to the rows already there, replacing those of the same
+shape and mode) and its section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import argparse
 import csv
 import datetime
 import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -32,13 +35,18 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import make_step, unavailable  # noqa: E402
 from benchmarks.memory import step_peak_mib  # noqa: E402
+from benchmarks.sections import write_section  # noqa: E402
 
 MODES = ("non-private", "flashdp-bk", "flashdp-ghost", "flashdp-flash", "opacus-ghost")
 OUT = ROOT / "docs" / "benchmarks" / "long_context.csv"
 
 
-def _modes(checkpointing: bool) -> list[str]:
-    return [m for m in MODES if unavailable(m) is None and not (checkpointing and m.startswith("opacus"))]
+def _modes(checkpointing: bool, only: list[str] | None = None) -> list[str]:
+    return [
+        m
+        for m in MODES
+        if unavailable(m) is None and not (checkpointing and m.startswith("opacus")) and (not only or m in only)
+    ]
 
 
 def _sync(device: str) -> None:
@@ -80,7 +88,9 @@ def main() -> None:
     parser.add_argument("--max-seq-b4", type=int, default=4096, help="the longest T run at B > 1")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-time", action="store_true", help="memory only")
+    parser.add_argument("--modes", nargs="+", choices=MODES, help="only these modes (default: all that run here)")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--append", action="store_true", help="keep the rows of other shapes already in --out")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -97,25 +107,63 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(result))
         return
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    rows = []
+    rows = _read(args.out) if args.append else []
     for batch in args.batches:
         for seq in args.seqs:
             if batch > 1 and seq > args.max_seq_b4:
                 continue
             for ckpt in (0, 1):
                 times = {} if args.no_time else _subprocess(["time", str(seq), str(batch), str(ckpt), str(args.rounds)])
-                for mode in _modes(bool(ckpt)):
+                for mode in _modes(bool(ckpt), args.modes):
                     memory = _subprocess(["memory", mode, str(seq), str(batch), str(ckpt)])
                     row = {"T": seq, "B": batch, "checkpointing": ckpt, "mode": mode, "time_ms": times.get(mode, ""),
                            **memory, "device": device, "timestamp": stamp}  # fmt: skip
-                    rows.append(row)
+                    rows = [r for r in rows if _key(r) != _key(row)] + [row]
                     print(json.dumps(row), flush=True)
+    rows.sort(key=_key)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(table(rows))
+    write_section("long context", section(rows, " ".join(["python benchmarks/long_context.py", *sys.argv[1:]])))
+
+
+def _key(row: dict) -> tuple:
+    return row["B"], row["T"], row["checkpointing"], MODES.index(row["mode"])
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for key in ("T", "B", "checkpointing"):
+            row[key] = int(row[key])
+        for key in ("time_ms", "first_mib", "peak_mib"):
+            row[key] = float(row[key]) if row[key] != "" else ""
+    return rows
+
+
+def section(rows: list[dict], command: str) -> str:
+    machine = f"{platform.machine()} x{os.cpu_count()} (torch threads {torch.get_num_threads()})"
+    return "\n".join(
+        [
+            "## Long context",
+            "",
+            f"Measured by `{command}` on {datetime.date.today().isoformat()}; {machine}, {rows[0]['device']}; torch "
+            f"{torch.__version__}. The Llama-like decoder (d=256, 4 layers, 4 heads, vocab 4096, untied head), SGD, "
+            "one private step includes the noise. Memory: the peak a step adds above what is allocated when it starts "
+            "(the CPU allocator's own record of every allocation and free, replayed; `max_memory_allocated` on GPU), "
+            "each (shape, mode) in its own process: `peak` is the second step, `first step` the first, which also "
+            "verifies batch independence (and runs the self-check). Time: the modes of one shape interleaved in one "
+            "process, median of the rounds after a warm-up step (on a shared 2-core machine: noisy). Ratios are to "
+            "non-private training with the same checkpointing. Opacus does not run with checkpointing.",
+            "",
+            table(rows),
+        ]
+    )
 
 
 def table(rows: list[dict]) -> str:

@@ -9,6 +9,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashdp.kernels.runtime import triton_importable
+from flashdp.rules import registry
 
 #: tests that need Triton kernels; the suite also runs, without them, where triton is not installed
 requires_triton = pytest.mark.skipif(not triton_importable(), reason="triton is not installed")
@@ -27,3 +28,14 @@ settings.load_profile("default")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _rule_registry():
+    """Rules a test registers for its own layer classes are gone after it (the supported-layers page is generated
+    from the registry, whichever tests ran before in the same process)."""
+    types, predicates = dict(registry._TYPE_RULES), list(registry._PREDICATE_RULES)
+    yield
+    registry._TYPE_RULES.clear()
+    registry._TYPE_RULES.update(types)
+    registry._PREDICATE_RULES[:] = predicates

@@ -21,7 +21,13 @@ from flashdp._checks import checked_delta
 from flashdp._pipeline import broadcast, coverage, guards, nonfinite, self_check
 from flashdp._pipeline.clipping import Clipping, clip_coefficients
 from flashdp._pipeline.collector import NormCollector
-from flashdp._pipeline.norm_pass import batch_dims, check_calls, output_gradients, stream_output_gradients
+from flashdp._pipeline.norm_pass import (
+    batch_dims,
+    check_calls,
+    held_output_gradients,
+    output_gradients,
+    stream_output_gradients,
+)
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice
 from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.profiling import PhaseTimer, profiling_requested
@@ -298,7 +304,8 @@ class DPEngine:
             shared = self._shared_outputs(loss, calls, batch)
             sharing = broadcast.per_sample_gradients(list(shared.values()), batch)
             with self._timer.phase("norm pass"), self._adapter.norm_pass(), sharing:
-                output_grads = output_gradients(loss, calls, retain_graph=keep_graph or verify)
+                held = {i for i, _ in shared}
+                output_grads, calls = held_output_gradients(loss, calls, held, retain_graph=keep_graph or verify)
             with torch.no_grad():
                 check_calls(plan, calls, output_grads, batch, shared)
                 failing = self._batch_independence(loss, calls, output_grads, shared) if verify else []

@@ -87,7 +87,7 @@ class NormCollector:
 
     def receive(self, index: int, grads: OutputGrads) -> None:
         """Call `index`'s output gradients (None where an output does not reach the loss); they are not kept."""
-        call, self._calls[index] = self._calls[index], None
+        call, self._calls[index] = self._calls[index].unpacked(), None
         site = self.plan.site(call.module)
         if all(g is None for g in grads):
             self._unreached.append(call)  # (checked at the end: an output modified in place hides its gradient)

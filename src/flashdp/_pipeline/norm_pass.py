@@ -42,6 +42,21 @@ def output_gradients(loss: Tensor, calls: Sequence[Call], retain_graph: bool) ->
     return out
 
 
+def held_output_gradients(
+    loss: Tensor, calls: Sequence[Call], held: Collection[int], retain_graph: bool
+) -> tuple[list[OutputGrads], list[Call]]:
+    """Every call's output gradients, all kept, and the calls with their inputs unpacked during the pass (see
+    `Call.unpacked`): `stream_output_gradients` with a receiver that keeps what it is handed."""
+    grads: list[OutputGrads] = [()] * len(calls)
+    unpacked = list(calls)
+
+    def keep(index: int, call_grads: OutputGrads) -> None:
+        grads[index], unpacked[index] = call_grads, unpacked[index].unpacked()
+
+    stream_output_gradients(loss, list(calls), keep, held, retain_graph)
+    return grads, unpacked
+
+
 def stream_output_gradients(
     loss: Tensor,
     calls: list[Call],

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from flashdp._pipeline.params import attribute
 from flashdp._pipeline.scan import GradientPlan, Site
@@ -54,6 +54,8 @@ class Call:
     rng_state: RngState | None = None
     #: an output was modified in place before `without_outputs` dropped them
     was_modified: bool = False
+    #: the tensors among args and kwargs are `_Packed` (see `unpacked`)
+    packed: bool = False
 
     @property
     def inputs(self) -> tuple:
@@ -64,6 +66,16 @@ class Call:
         return self.was_modified or any(
             o is not None and o._version != v for o, v in zip(self.outputs, self.output_versions, strict=True)
         )
+
+    def unpacked(self) -> Call:
+        """This call with its inputs as tensors. A call made where autograd's saved-tensor hooks are set keeps its
+        inputs the way autograd keeps saved tensors there: inside a checkpointed region they are recomputed in the
+        backward rather than held. Unpack inside the norm pass, where autograd's own recomputation is shared;
+        outside any backward, each unpack recomputes the region's forward."""
+        if not self.packed:
+            return self
+        args, kwargs = tree_map(lambda x: x.unpack(x.holder) if isinstance(x, _Packed) else x, (self.args, self.kwargs))
+        return replace(self, args=args, kwargs=kwargs, packed=False)
 
     def without_outputs(self) -> Call:
         """This call without its outputs, which a plain backward would have freed (the logits, once the loss has
@@ -77,6 +89,19 @@ class Call:
             "ReLU(inplace=True) or `out += x`), which hides its gradient. Make that operation out of place "
             "(inplace=False, `out = out + x`; flashdp.fix_model(model) turns off inplace=True on every module)."
         )
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A call's input tensor as autograd's saved-tensor hooks packed it."""
+
+    holder: object
+    unpack: Callable[[object], Tensor]
+
+
+def _packed(tree: object, hooks: tuple[Callable, Callable]) -> object:
+    pack, unpack = hooks
+    return tree_map(lambda x: _Packed(pack(x), unpack) if isinstance(x, Tensor) else x, tree)
 
 
 class Recorder:
@@ -116,13 +141,18 @@ class Recorder:
     def record(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
         saved = self._rng_states.get(id(module))
         rng = saved.pop() if saved else None
-        if self._paused or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        if self._paused or not torch.is_grad_enabled():
             return
         site = self.plan.sites.get(id(module))
         if site is None:
             return
         leaves = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
         slots = _distinct_slots(leaves)
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if torch._C._current_graph_task_id() != -1:  # a checkpoint recomputing its segment in the backward
+            if slots and hooks is not None:  # packed as in the forward: the recomputation matches saves by order
+                _packed((args, kwargs), hooks)
+            return
         if site.match is not None and site.match.verify_with is not None and id(module) not in self._verified:
             self._verified.add(id(module))
             scale = _scale_of_its_rule(site, args or tuple(kwargs.values()), output)
@@ -136,6 +166,9 @@ class Recorder:
         self._on_call()
         outputs = [leaves[i] for i in slots]
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t.requires_grad]
+        input_edges = tuple(get_gradient_edge(t) for t in inputs)
+        if hooks is not None:  # (inside a checkpointed region, or one offloading its saved tensors)
+            args, kwargs = _packed((args, kwargs), hooks)
         counting = site.match is not None
         params = {name: attribute(module, name) for name in site.trainable}
         frozen: dict[str, Tensor] = {}
@@ -147,7 +180,7 @@ class Recorder:
                 module=module,
                 args=args,
                 kwargs=kwargs,
-                input_edges=tuple(get_gradient_edge(t) for t in inputs),
+                input_edges=input_edges,
                 output_meta=tuple(OutputMeta(i, leaves[i].shape, leaves[i].dtype) for i in slots),
                 edges=tuple(get_gradient_edge(_reshape_base(t)) for t in outputs),
                 outputs=tuple(t if counting and (site.match.rule.per_call or _hideable(t)) else None for t in outputs),
@@ -156,6 +189,7 @@ class Recorder:
                 frozen=frozen,
                 autocast=_autocast_state(outputs[0].device.type),
                 rng_state=rng,
+                packed=hooks is not None,
             )
         )
 

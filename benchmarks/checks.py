@@ -7,7 +7,10 @@
    rounds in one process; the steady-state overhead at the default interval follows.
 2. Activation checkpointing: HF LlamaForCausalLM (d=256, 8 layers, vocab 1024, T=1024, B=4) with
    gradient_checkpointing_enable(),
-   non-private vs bk vs ghost, and the same without checkpointing; each in its own subprocess, peak RSS.
+   non-private vs bk vs ghost, and the same without checkpointing; each in its own subprocess, the peak the second
+   step adds above what is allocated when it starts (benchmarks/memory.py).
+
+    python benchmarks/checks.py --only checkpointing   # one of the two
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -32,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import flashdp  # noqa: E402
 from benchmarks.harness import build_model, data, per_sample_loss  # noqa: E402
+from benchmarks.memory import step_peak_mib  # noqa: E402
 from benchmarks.sections import write_section  # noqa: E402
 from flashdp._pipeline import coverage  # noqa: E402
 from flashdp._pipeline.settings import DEFAULT_SELF_CHECK_INTERVAL  # noqa: E402
@@ -135,12 +138,8 @@ def worker_memory(mode: str, checkpointing: bool, seq: int, batch: int) -> dict:
             engine.backward(loss_of())
             engine.step()
 
-    with open("/proc/self/statm") as f:
-        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    for _ in range(2):
-        step()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"peak_mb": peak, "step_mb": peak - base}
+    step()
+    return {"step_mb": step_peak_mib(step, "cpu")}
 
 
 def checkpointing_memory(seq: int, batch: int) -> str:
@@ -157,8 +156,8 @@ def checkpointing_memory(seq: int, batch: int) -> str:
     lines = [
         f"HF LlamaForCausalLM (d=256, {CKPT_LAYERS} layers, vocab {CKPT_VOCAB}: the layers' activations, not the "
         f"logits, dominate non-private memory), T={seq}, B={batch}, SGD; each configuration in its own "
-        "process, two steps; `training` is the peak RSS added by the steps, ratios to non-private training with the "
-        "same checkpointing.",
+        "process; the peak the second step adds above what is allocated when it starts (the allocator's own record, "
+        "benchmarks/memory.py), ratios to non-private training with the same checkpointing.",
         "",
         "| checkpointing | non-private | bk | ghost |",
         "|---|---|---|---|",
@@ -172,9 +171,9 @@ def checkpointing_memory(seq: int, batch: int) -> str:
         lines.append(f"| {'on' if checkpointing else 'off'} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "With checkpointing on, the engine holds a reference to every recorded layer's input until the backward, "
-        "which checkpointing would have dropped: the DP step keeps those activations that a checkpointed "
-        "non-private step recomputes.",
+        "A layer called inside a checkpointed region keeps its inputs the way autograd keeps saved tensors there "
+        "(checkpoint's saved-tensor hooks): they are recomputed in the norm pass, with the region's own "
+        "recomputation, not held from the forward to the backward.",
     ]
     return "\n".join(lines)
 
@@ -192,6 +191,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--only", choices=["self-check", "checkpointing"], help="measure one section")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -200,10 +200,11 @@ def main() -> None:
         result = worker_memory(mode, bool(int(checkpointing)), int(seq), int(batch))
         Path(args.json).write_text(json.dumps(result))
         return
-    write_section("the self-check", "## The self-check\n\n" + self_check_cost(args.rounds))
-    write_section(
-        "activation checkpointing", "## Activation checkpointing\n\n" + checkpointing_memory(args.seq, args.batch)
-    )
+    if args.only != "checkpointing":
+        write_section("the self-check", "## The self-check\n\n" + self_check_cost(args.rounds))
+    if args.only != "self-check":
+        memory = checkpointing_memory(args.seq, args.batch)
+        write_section("activation checkpointing", "## Activation checkpointing\n\n" + memory)
     print("wrote docs/benchmarks.md")
 
 

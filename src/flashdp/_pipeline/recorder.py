@@ -99,6 +99,18 @@ class _Packed:
     unpack: Callable[[object], Tensor]
 
 
+def _saved_tensor_hooks() -> tuple[Callable, Callable] | None:
+    """The (pack, unpack) saved-tensor hooks autograd would use here (a checkpointed region's), or None. Read from
+    a private torch function; where this torch lacks it, inputs are held as outside such regions."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    try:
+        return top(False)
+    except TypeError:  # an older signature without ignore_is_tracing
+        return top()
+
+
 def _packed(tree: object, hooks: tuple[Callable, Callable]) -> object:
     pack, unpack = hooks
     return tree_map(lambda x: _Packed(pack(x), unpack) if isinstance(x, Tensor) else x, tree)
@@ -148,7 +160,7 @@ class Recorder:
             return
         leaves = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
         slots = _distinct_slots(leaves)
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        hooks = _saved_tensor_hooks()
         if torch._C._current_graph_task_id() != -1:  # a checkpoint recomputing its segment in the backward
             if slots and hooks is not None:  # packed as in the forward: the recomputation matches saves by order
                 _packed((args, kwargs), hooks)

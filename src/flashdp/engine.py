@@ -25,10 +25,9 @@ from flashdp._pipeline.norm_pass import (
     batch_dims,
     check_calls,
     held_output_gradients,
-    output_gradients,
     stream_output_gradients,
 )
-from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice
+from flashdp._pipeline.param_grad import ParamNorm, StrategyChoice
 from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.profiling import PhaseTimer, profiling_requested
 from flashdp._pipeline.provenance import GradientProvenance
@@ -340,7 +339,8 @@ class DPEngine:
         collector = self._collector(calls, batch, keep_for_sum, shared, keep_calls=not keep_for_sum)
         sharing = broadcast.per_sample_gradients(list(shared.values()), batch)
         with self._timer.phase("norm pass"), self._adapter.norm_pass(), sharing:
-            stream_output_gradients(loss, calls, collector.receive, {i for i, _ in shared}, retain_graph=keep_graph)
+            held = {i for i, _ in shared}
+            stream_output_gradients(loss, calls, collector.receive, held, keep_graph, prepare=collector.unpack)
         return collector
 
     def _float64_norms(
@@ -350,11 +350,7 @@ class DPEngine:
         `_streamed_norm_pass`)."""
         gradients = collector.gradients
         if any(n.plan is None and p.key not in gradients for p, n in norms if not nonfinite.all_finite(n.norm_sq)):
-            redo = self._collector(collector.calls, loss.shape[0], False, {}, keep_gradients=True)
-            with self._adapter.norm_pass():
-                grads = output_gradients(loss, collector.calls, retain_graph=keep_graph)
-            for index, call_grads in enumerate(grads):
-                redo.receive(index, call_grads)
+            redo = self._held_norm_pass(loss, list(collector.calls), keep_graph, keep_for_sum=False, verify=False)
             redo.finish()
             gradients = redo.gradients
         return nonfinite.recompute_overflowed(norms, gradients, loss.shape[0])
@@ -436,13 +432,6 @@ class DPEngine:
             for i, edges in lacking.items()
             if any(e.node in graph and not broadcast.frontiers(e, graph, batch) for e in edges)
         ]
-
-    def _norms(
-        self, grads: list[tuple[TrainableParam, ParamGradient]], keep_for_sum: bool
-    ) -> list[tuple[TrainableParam, ParamNorm]]:
-        norms = [(param, grad.norm_sq(keep_for_sum)) for param, grad in grads]
-        self._strategies = {param.name: norm.strategy for param, norm in norms}
-        return norms
 
     # -- the self-check and what it needs -------------------------------------------------------------------
 

@@ -85,6 +85,11 @@ class NormCollector:
         """The calls (without their outputs), when kept."""
         return self._kept
 
+    def unpack(self, index: int) -> None:
+        """Unpack call `index`'s inputs now (inside the norm pass: see `Call.unpacked`), for a call whose
+        gradients are received after the pass."""
+        self._calls[index] = self._calls[index].unpacked()
+
     def receive(self, index: int, grads: OutputGrads) -> None:
         """Call `index`'s output gradients (None where an output does not reach the loss); they are not kept."""
         call, self._calls[index] = self._calls[index].unpacked(), None

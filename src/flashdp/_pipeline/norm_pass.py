@@ -50,10 +50,14 @@ def held_output_gradients(
     grads: list[OutputGrads] = [()] * len(calls)
     unpacked = list(calls)
 
-    def keep(index: int, call_grads: OutputGrads) -> None:
-        grads[index], unpacked[index] = call_grads, unpacked[index].unpacked()
+    def unpack(index: int) -> None:
+        unpacked[index] = unpacked[index].unpacked()
 
-    stream_output_gradients(loss, list(calls), keep, held, retain_graph)
+    def keep(index: int, call_grads: OutputGrads) -> None:
+        grads[index] = call_grads
+        unpack(index)
+
+    stream_output_gradients(loss, list(calls), keep, held, retain_graph, prepare=unpack)
     return grads, unpacked
 
 
@@ -63,6 +67,7 @@ def stream_output_gradients(
     receive: Callable[[int, OutputGrads], None],
     held: Collection[int],
     retain_graph: bool,
+    prepare: Callable[[int], None] = lambda index: None,
 ) -> None:
     """`output_gradients`, handed to `receive(index, grads)` call by call; each gradient of a one-output call not
     in `held` is handed over as autograd computes it and lives no longer than in a plain backward.
@@ -71,7 +76,8 @@ def stream_output_gradients(
     graph are asked for: those of `held` calls, and of calls below which no other call's output lies. Every other
     call's output is on the way to one of those, so autograd runs its node, and a pre-hook on that node takes the
     gradient flowing in. `calls` is emptied: this function keeps only the edges of the calls it does not ask
-    autograd about (whoever receives a call's gradients holds the call)."""
+    autograd about (whoever receives a call's gradients holds the call). `prepare(index)` runs for each asked
+    call as the pass begins, before any of the graph is freed (to unpack its inputs: `Call.unpacked`)."""
     edges = {(e.node, e.output_nr) for c in calls for e in c.edges}
     above = _above_other_edges(loss, edges)
     single = {
@@ -82,8 +88,10 @@ def stream_output_gradients(
     hooked: dict[Node, list[tuple[int, int]]] = {}  # node -> (output_nr, call index)
     for index, edge in single.items():
         hooked.setdefault(edge.node, []).append((edge.output_nr, index))
+    packed = [i for i, call in asked.items() if call.packed]
+    handles = [loss.grad_fn.register_prehook(_Once(lambda: [prepare(i) for i in packed]))] if packed else []
     handovers = [_Handover(slots, receive) for slots in hooked.values()]
-    handles = [node.register_prehook(h) for node, h in zip(hooked, handovers, strict=True)]
+    handles += [node.register_prehook(h) for node, h in zip(hooked, handovers, strict=True)]
     try:
         grads = output_gradients(loss, list(asked.values()), retain_graph)
     finally:
@@ -95,6 +103,18 @@ def stream_output_gradients(
         if not handover.ran:  # (autograd runs a node on the way to an asked gradient unless none flows into it)
             for _, index in handover.slots:
                 receive(index, (None,))
+
+
+class _Once:
+    """A pre-hook that runs `action` the first time its node runs."""
+
+    def __init__(self, action: Callable[[], object]) -> None:
+        self.action, self.ran = action, False
+
+    def __call__(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
+        if not self.ran:
+            self.ran = True
+            self.action()
 
 
 class _Handover:

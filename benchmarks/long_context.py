@@ -9,7 +9,7 @@ when it starts (benchmarks/memory.py: the allocator's record on CPU, `max_memory
 the first step, which also runs flashdp's checks (batch independence on a new forward structure, the self-check).
 Time: the modes of one shape in one process, interleaved, median of `--rounds` steps after a warm-up step.
 Writes docs/benchmarks/long_context.csv (`--append`: adds to the rows already there, replacing those of the same
-shape and mode) and its section of docs/benchmarks.md.
+shape and mode, whose time a `--no-time` run keeps) and its section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=MODES, help="only these modes (default: all that run here)")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--append", action="store_true", help="keep the rows of other shapes already in --out")
+    parser.add_argument("--no-docs", action="store_true", help="do not write the section of docs/benchmarks.md")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -118,6 +119,9 @@ def main() -> None:
                     memory = _subprocess(["memory", mode, str(seq), str(batch), str(ckpt)])
                     row = {"T": seq, "B": batch, "checkpointing": ckpt, "mode": mode, "time_ms": times.get(mode, ""),
                            **memory, "device": device, "timestamp": stamp}  # fmt: skip
+                    earlier = [r for r in rows if _key(r) == _key(row)]
+                    if earlier and row["time_ms"] == "":  # a memory-only run keeps the time measured before
+                        row["time_ms"] = earlier[0]["time_ms"]
                     rows = [r for r in rows if _key(r) != _key(row)] + [row]
                     print(json.dumps(row), flush=True)
     rows.sort(key=_key)
@@ -126,7 +130,8 @@ def main() -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    write_section("long context", section(rows, " ".join(["python benchmarks/long_context.py", *sys.argv[1:]])))
+    if not args.no_docs:
+        write_section("long context", section(rows, " ".join(["python benchmarks/long_context.py", *sys.argv[1:]])))
 
 
 def _key(row: dict) -> tuple:

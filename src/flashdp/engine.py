@@ -5,6 +5,7 @@ The engine runs the stages of `flashdp._pipeline` (whose docstring lists them in
 
 from __future__ import annotations
 
+import functools
 import secrets
 import warnings
 import weakref
@@ -23,8 +24,6 @@ from flashdp._pipeline.clipping import Clipping, clip_coefficients
 from flashdp._pipeline.collector import NormCollector
 from flashdp._pipeline.norm_pass import (
     batch_dims,
-    check_calls,
-    held_output_gradients,
     stream_output_gradients,
 )
 from flashdp._pipeline.param_grad import ParamNorm, StrategyChoice
@@ -255,10 +254,9 @@ class DPEngine:
         # a new structure, and every self-check, verifies that every layer's output rows are per-sample
         verify = (checking or new_structure) and self._adapter.second_backward
         verify &= batch > 1 or self._adapter.world_size > 1  # every rank runs the pass (FSDP collectives)
-        if checking or verify:  # every output gradient is compared with another pass's: all are held
-            collector = self._held_norm_pass(loss, rule_calls, keep_graph or checking, keep_for_sum, verify)
-        else:
-            collector = self._streamed_norm_pass(loss, rule_calls, keep_graph, keep_for_sum)
+        keep = self._overflow_keep(keep_for_sum)
+        collector = self._norm_pass(loss, rule_calls, keep_graph or checking, keep_for_sum, verify, keep)
+        del rule_calls  # (the collector releases each call once its gradients are in)
         plan = self._plan
         with torch.no_grad(), kernels_backend(self.settings.backend), self._timer.phase("norm computation"):
             norms = collector.finish()
@@ -291,66 +289,53 @@ class DPEngine:
             **keep,
         )
 
-    def _held_norm_pass(
-        self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool, verify: bool
+    def _norm_pass(
+        self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool, verify: bool, keep: dict
     ) -> NormCollector:
-        """The norm pass holding every output gradient until all are in: verified for batch independence, then
-        collected (in call order). A layer found shared across the batch, or time-major, only by verifying is
-        learnt, and the pass redone."""
+        """The norm pass: each call's output gradients go to a collector as autograd computes them (their norms
+        are part of the "norm pass" phase). With `verify`, the output gradients are also held until the pass ends,
+        to verify batch independence; a layer found shared across the batch, or time-major, only by verifying is
+        learnt, and the pass redone. `keep`: what the collector keeps for a float64 recomputation."""
         batch = loss.shape[0]
         while True:
-            plan = self._plan
             shared = self._shared_outputs(loss, calls, batch)
+            collector = self._collector(calls, batch, keep_for_sum, shared, **keep)
+            output_grads: list[tuple] = [()] * len(calls)
+
+            receive = functools.partial(_receive, collector, output_grads if verify else None)
             sharing = broadcast.per_sample_gradients(list(shared.values()), batch)
             with self._timer.phase("norm pass"), self._adapter.norm_pass(), sharing:
                 held = {i for i, _ in shared}
-                output_grads, calls = held_output_gradients(loss, calls, held, retain_graph=keep_graph or verify)
+                # (without verifying, `calls` is handed over: it is emptied, and only the collector holds each call)
+                passed = list(calls) if verify else calls
+                stream_output_gradients(loss, passed, receive, held, keep_graph or verify, prepare=collector.unpack)
+            if not verify:
+                return collector
             with torch.no_grad():
-                check_calls(plan, calls, output_grads, batch, shared)
-                failing = self._batch_independence(loss, calls, output_grads, shared) if verify else []
+                failing = self._batch_independence(loss, calls, output_grads, shared)
             if not failing:
-                break
+                return collector
             if not self._learn_layout(loss, calls, failing, batch):
-                sites = [plan.site(c.module).label for c in calls]
+                sites = [self._plan.site(c.module).label for c in calls]
                 raise self_check.batch_independence_error([sites[i] for i in failing], sites)
-        collector = self._collector(calls, batch, keep_for_sum, shared, keep_gradients=True)
-        calls.clear()
-        with self._timer.phase("norm computation"):
-            for index in range(len(output_grads)):
-                grads, output_grads[index] = output_grads[index], ()
-                collector.receive(index, grads)
-        return collector
 
-    def _streamed_norm_pass(
-        self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool
-    ) -> NormCollector:
-        """The norm pass handing each call's output gradients to the collector as autograd computes them (their
-        norms are then part of the "norm pass" phase). Calls with an output shared across the batch wait for the
-        end of the pass, where their per-sample gradients are ready.
-
-        A float32 norm that overflows is recomputed in float64: in bk from the clipped-sum plans, in ghost and flash
-        by a second norm pass over the kept graph. Under FSDP one rank cannot run a pass alone: there ghost and
-        flash hold every output gradient (`_held_norm_pass`) and recompute from them. `calls` is emptied: the
-        collector releases each call once its gradients are in."""
-        if not keep_for_sum and self._adapter.reshards_after_forward:
-            return self._held_norm_pass(loss, calls, keep_graph, keep_for_sum, verify=False)
-        batch = loss.shape[0]
-        shared = self._shared_outputs(loss, calls, batch)
-        collector = self._collector(calls, batch, keep_for_sum, shared, keep_calls=not keep_for_sum)
-        sharing = broadcast.per_sample_gradients(list(shared.values()), batch)
-        with self._timer.phase("norm pass"), self._adapter.norm_pass(), sharing:
-            held = {i for i, _ in shared}
-            stream_output_gradients(loss, calls, collector.receive, held, keep_graph, prepare=collector.unpack)
-        return collector
+    def _overflow_keep(self, keep_for_sum: bool) -> dict[str, bool]:
+        """What the collector keeps so that a float32 norm that overflows can be recomputed in float64: nothing in
+        bk (its clipped-sum plans suffice); in ghost and flash the calls, for a second norm pass over the kept graph,
+        except under FSDP, where one rank cannot run a pass alone: there each parameter's contributions."""
+        if keep_for_sum:
+            return {}
+        return {"keep_gradients": True} if self._adapter.reshards_after_forward else {"keep_calls": True}
 
     def _float64_norms(
         self, loss: Tensor, norms: list[tuple[TrainableParam, ParamNorm]], collector: NormCollector, keep_graph: bool
     ) -> list[tuple[TrainableParam, ParamNorm]]:
         """`norms` with every parameter whose squared norms are not all finite recomputed in float64 (see
-        `_streamed_norm_pass`)."""
+        `_overflow_keep`)."""
         gradients = collector.gradients
         if any(n.plan is None and p.key not in gradients for p, n in norms if not nonfinite.all_finite(n.norm_sq)):
-            redo = self._held_norm_pass(loss, list(collector.calls), keep_graph, keep_for_sum=False, verify=False)
+            calls = list(collector.calls)
+            redo = self._norm_pass(loss, calls, keep_graph, False, verify=False, keep={"keep_gradients": True})
             redo.finish()
             gradients = redo.gradients
         return nonfinite.recompute_overflowed(norms, gradients, loss.shape[0])
@@ -712,6 +697,13 @@ class _Measured:
 
 #: the settings a resumed run must share with the checkpointed one
 _RESUMED_SETTINGS = ("noise_multiplier", "sample_rate", "max_grad_norm")
+
+
+def _receive(collector: NormCollector, held: list | None, index: int, grads: tuple) -> None:
+    """Hand one call's output gradients to the collector, and hold them in `held` where it is given."""
+    if held is not None:
+        held[index] = grads
+    collector.receive(index, grads)
 
 
 def _group_norms_sq(norms: list[tuple[TrainableParam, ParamNorm]], groups: int, batch: int, device) -> Tensor:

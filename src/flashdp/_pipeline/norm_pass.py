@@ -12,7 +12,7 @@ from torch.autograd.graph import Node
 
 from flashdp._pipeline.params import attribute
 from flashdp._pipeline.recorder import Call
-from flashdp._pipeline.scan import GradientPlan, Site
+from flashdp._pipeline.scan import Site
 from flashdp.errors import FlashDPError
 from flashdp.per_sample import LayerCall, PerSampleGrad
 
@@ -40,25 +40,6 @@ def output_gradients(loss: Tensor, calls: Sequence[Call], retain_graph: bool) ->
         out.append(_outside_gradients(call, call_grads, feeds) if feeds else tuple(call_grads))
         start += len(call.edges)
     return out
-
-
-def held_output_gradients(
-    loss: Tensor, calls: Sequence[Call], held: Collection[int], retain_graph: bool
-) -> tuple[list[OutputGrads], list[Call]]:
-    """Every call's output gradients, all kept, and the calls with their inputs unpacked during the pass (see
-    `Call.unpacked`): `stream_output_gradients` with a receiver that keeps what it is handed."""
-    grads: list[OutputGrads] = [()] * len(calls)
-    unpacked = list(calls)
-
-    def unpack(index: int) -> None:
-        unpacked[index] = unpacked[index].unpacked()
-
-    def keep(index: int, call_grads: OutputGrads) -> None:
-        grads[index] = call_grads
-        unpack(index)
-
-    stream_output_gradients(loss, list(calls), keep, held, retain_graph, prepare=unpack)
-    return grads, unpacked
 
 
 def stream_output_gradients(
@@ -204,24 +185,6 @@ def batch_dims(site: Site, call: Call) -> tuple[int, ...]:
     if dims is None:
         dims = rule.batch_dim(site.module) if rule.batch_dim else 0
     return tuple(dims if isinstance(dims, int) else dims[meta.slot] for meta in call.output_meta)
-
-
-def check_calls(
-    plan: GradientPlan,
-    calls: Sequence[Call],
-    output_grads: Sequence[OutputGrads],
-    batch: int,
-    shared: Collection[tuple[int, int]] = (),
-) -> None:
-    """Each call whose outputs reach the loss was made on this batch, batch first (or shared across it), and its
-    gradient is visible."""
-    for index, (call, grads) in enumerate(zip(calls, output_grads, strict=True)):
-        site = plan.site(call.module)
-        if all(g is None for g in grads):
-            if call.modified_in_place():
-                raise call.hidden_by_in_place_error(site.label)
-            continue
-        check_call(site, call, grads, index, batch, shared)
 
 
 def check_call(

@@ -13,7 +13,9 @@ mode, sequence length, batches, world size, peak memory, mean step time, the mod
 Peak memory of a run (model shard, optimizer state, gathered parameters, activations, gradients, flashdp's own
 buffers): GPU, `max_memory_allocated` above what was held before the model was built; CPU, the peak resident set
 size above the one before the model was built, sampled every 2 ms (freed heap is returned to the OS between
-runs). Both are the maximum over ranks.
+runs). `step_peak_mb`: the peak one more (untimed) step adds above what is allocated when it starts, from the
+allocator itself (benchmarks/memory.py: the profiler's record on CPU, `max_memory_allocated` on GPU). Both are the
+maximum over ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from contextlib import contextmanager, suppress
@@ -35,6 +38,9 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import flashdp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for benchmarks/
+from benchmarks.memory import step_peak_mib
 
 MODES = ("no_dp", "ghost", "bk", "flash")
 
@@ -181,7 +187,8 @@ def one_run(mode: str, seq: int, args: argparse.Namespace, device: torch.device)
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     peak = memory.stop()
-    figures = torch.tensor([peak, statistics.mean(times)], dtype=torch.float64, device=device)
+    step_peak = step_peak_mib(step, device.type)  # one more step, untimed: the profiler records allocations
+    figures = torch.tensor([peak, statistics.mean(times), step_peak], dtype=torch.float64, device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the slowest rank and the fullest one
     if engine is not None:
         engine.detach()
@@ -195,6 +202,7 @@ def one_run(mode: str, seq: int, args: argparse.Namespace, device: torch.device)
         "backend": dist.get_backend(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "peak_memory_mb": round(float(figures[0]), 2),
+        "step_peak_mb": round(float(figures[2]), 2),
         "mean_step_s": round(float(figures[1]), 5),
         "step_times_s": [round(t, 5) for t in times],
         "steps": args.steps,

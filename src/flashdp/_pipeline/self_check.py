@@ -91,16 +91,22 @@ def batch_independence_failures(
             if grad is None or weighted_grad is None or (index, j) in shared or batch < 2:
                 continue
             # rows of sample i: row i, or rows i * k .. i * k + k - 1 of a batch folded into B * k rows
-            expected = grad.view(meta.shape).movedim(dim, 0).double().reshape(batch, -1) * weights[:, None]
-            got = weighted_grad.view(meta.shape).movedim(dim, 0).double().reshape(batch, -1)
-            error = (got - expected).norm(dim=1)
-            scale = expected.norm(dim=1) + got.norm(dim=1)
+            plain, got = (_rows(g, meta.shape, dim, batch) for g in (grad, weighted_grad))
+            scale_by = weights.to(plain.dtype)[:, None]  # (powers of two: exact in any dtype)
+            error = torch.addcmul(got, plain, scale_by, value=-1).norm(dim=1).double()  # got - expected
+            scale = plain.norm(dim=1).double() * weights + got.norm(dim=1).double()
             if bool((error > rtol * (scale + 1e-3 * scale.max())).any()):
                 failing.append(index)
                 return
 
     stream_output_gradients(weighted_loss, list(calls), compare, held=(), retain_graph=True)
     return sorted(failing)
+
+
+def _rows(grad: Tensor, shape: torch.Size, dim: int, batch: int) -> Tensor:
+    """`[B, n]`: an output gradient's rows by sample, in float32 at least (one copy at most: no float64 one)."""
+    rows = grad.view(shape).movedim(dim, 0).reshape(batch, -1)
+    return rows.float() if rows.dtype in _HALF else rows
 
 
 def batch_independence_error(failing: Sequence[str], every: Sequence[str]) -> FlashDPError:

@@ -21,11 +21,8 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from flashdp._checks import checked_delta
 from flashdp._pipeline import broadcast, coverage, guards, nonfinite, self_check
 from flashdp._pipeline.clipping import Clipping, clip_coefficients
-from flashdp._pipeline.collector import NormCollector
-from flashdp._pipeline.norm_pass import (
-    batch_dims,
-    stream_output_gradients,
-)
+from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
+from flashdp._pipeline.norm_pass import batch_dims, stream_output_gradients
 from flashdp._pipeline.param_grad import ParamNorm, StrategyChoice
 from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.profiling import PhaseTimer, profiling_requested
@@ -245,10 +242,7 @@ class DPEngine:
         ]
         calls.clear()  # from here the norm pass owns the calls, and releases each once its gradients are in
         if not rule_calls:
-            raise FlashDPError(
-                "The loss does not depend on any trainable layer recorded in the last forward pass: compute the "
-                "per-sample losses from this model's output."
-            )
+            raise no_trainable_layer_error()
         held = self._graph_tensors(rule_calls) if checking else {}
         dtypes = [loss.dtype, *(m.dtype for c in rule_calls for m in c.output_meta)]
         # a new structure, and every self-check, verifies that every layer's output rows are per-sample
@@ -274,21 +268,6 @@ class DPEngine:
                 self._check_per_sample(loss, norms, held, self_check.tolerance(dtypes), retain_graph=keep_graph)
         return _Measured(norms, clip_norms_sq, skipped)
 
-    def _collector(
-        self, calls: list[Call], batch: int, keep_for_sum: bool, shared: dict, **keep: bool
-    ) -> NormCollector:
-        return NormCollector(
-            self._plan,
-            calls,
-            batch,
-            strategy=self.settings.norm_strategy,
-            keep_for_sum=keep_for_sum,
-            backend=self.settings.backend,
-            recorder=self._recorder,
-            shared=shared,
-            **keep,
-        )
-
     def _norm_pass(
         self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool, verify: bool, keep: dict
     ) -> NormCollector:
@@ -299,7 +278,17 @@ class DPEngine:
         batch = loss.shape[0]
         while True:
             shared = self._shared_outputs(loss, calls, batch)
-            collector = self._collector(calls, batch, keep_for_sum, shared, **keep)
+            collector = NormCollector(
+                self._plan,
+                calls,
+                batch,
+                strategy=self.settings.norm_strategy,
+                keep_for_sum=keep_for_sum,
+                backend=self.settings.backend,
+                recorder=self._recorder,
+                shared=shared,
+                **keep,
+            )
             output_grads: list[tuple] = [()] * len(calls)
 
             receive = functools.partial(_receive, collector, output_grads if verify else None)

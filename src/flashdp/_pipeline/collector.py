@@ -94,18 +94,17 @@ class NormCollector:
         """Call `index`'s output gradients (None where an output does not reach the loss); they are not kept."""
         call, self._calls[index] = self._calls[index].unpacked(), None
         site = self.plan.site(call.module)
+        keys = {name: self.plan.param_of[(id(call.module), name)].key for name in site.trainable}
         if all(g is None for g in grads):
             self._unreached.append(call)  # (checked at the end: an output modified in place hides its gradient)
         else:
             check_call(site, call, grads, index, self.batch, self._shared)
             per_sample = self._per_sample(index, call, grads)
-            for name in site.trainable:
-                key = self.plan.param_of[(id(call.module), name)].key
+            for name, key in keys.items():
                 self._parts.setdefault(key, []).append(_Part(index, per_sample[name], site.label, site.is_generic))
                 self._first_call.setdefault(key, index)
         del call, grads
-        for name in site.trainable:
-            key = self.plan.param_of[(id(site.module), name)].key
+        for key in keys.values():
             self._pending[key] -= 1
             if not self._pending[key] and key in self._parts:
                 self._finalise(key)
@@ -141,9 +140,13 @@ class NormCollector:
         for key in list(self._parts):  # parameters some of whose calls do not reach the loss
             self._finalise(key)
         if not self._norms:
-            raise FlashDPError(
-                "The loss does not depend on any trainable layer recorded in the last forward pass: compute the "
-                "per-sample losses from this model's output."
-            )
+            raise no_trainable_layer_error()
         order = sorted(self._norms, key=self._first_call.__getitem__)
         return [(self._params[key], self._norms[key]) for key in order]
+
+
+def no_trainable_layer_error() -> FlashDPError:
+    return FlashDPError(
+        "The loss does not depend on any trainable layer recorded in the last forward pass: compute the "
+        "per-sample losses from this model's output."
+    )

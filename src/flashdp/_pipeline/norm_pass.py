@@ -18,8 +18,6 @@ from flashdp.per_sample import LayerCall, PerSampleGrad
 
 #: per call, the gradient at each of its output edges (None where it does not reach the loss)
 OutputGrads = tuple[Tensor | None, ...]
-#: (call index, output index) -> the per-sample gradient `[B, *shape]` of an output shared across the batch
-SharedGrads = dict[tuple[int, int], Tensor]
 
 
 def output_gradients(loss: Tensor, calls: Sequence[Call], retain_graph: bool) -> list[OutputGrads]:

@@ -12,12 +12,15 @@ Each `engine.backward(loss)`:
     -  guards       guards.py (the loss, the model's parameters), provenance.py (no gradient but engine.backward's)
     -  coverage     coverage.py: every trainable parameter reaches the loss only inside calls that count it
                     (first backward of every new forward structure)
-    2. norm pass    norm_pass.py: one autograd pass to those edges (no parameter gradient), then each call's rule
-                    turns inputs and output gradients into per-sample gradients, collected per parameter
+    2. norm pass    norm_pass.py: one autograd pass to those edges (no parameter gradient); each call's output
+                    gradient is handed over as autograd computes it (broadcast.py: per-sample gradients of
+                    outputs shared across the batch) to collector.py, where the call's rule turns it into
+                    per-sample gradients and a parameter's norms are computed once its last call is in
     -  self-check   self_check.py: on the first backward and every N, what was counted against autograd's own
                     per-sample gradients on the same graph
     3. norms        param_grad.py: per parameter, the exact squared norm of the sum of its contributions and a
-                    `ClippedSumPlan` of what the clipped sum needs (blocks.py: the math on outer-product blocks)
+                    `ClippedSumPlan` of what the clipped sum needs (blocks.py: the math on outer-product blocks);
+                    nonfinite.py: float32 overflow recomputed in float64, NaN / inf samples refused or skipped
     4. coefficients clipping.py: per-sample clipping coefficients from the norms of each clipping group
     5. sums         bk: each plan's `sum_i c_i g_i`; ghost / flash: a second backward of `sum_i c_i loss_i`
     6. adapter      `flashdp.distributed`: where the sums go (local `.grad`, DDP, FSDP2 or FSDP1 shards)

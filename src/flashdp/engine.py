@@ -57,8 +57,10 @@ class DPEngine:
         *,
         optimizer: torch.optim.Optimizer | None = None,
         norm_group: dist.ProcessGroup | None = None,
+        trains: bool = True,
     ) -> None:
-        """See `make_private`. The privacy request is resolved (sigma calibrated) after the model's checks."""
+        """See `make_private`. The privacy request is resolved (sigma calibrated) after the model's checks.
+        trains=False (per-sample norms only) leaves every optimizer free to step the model."""
         if not isinstance(model, nn.Module):
             raise FlashDPError(f"make_private expects an nn.Module. Received {type(model).__name__}.")
         self.model = model
@@ -94,7 +96,7 @@ class DPEngine:
         self._backward_since_step = False
         self._samples_since_step = 0
         self._recorder = Recorder(plan, self._timer.forward_started, keep_params=self._adapter.reshards_after_forward)
-        self._provenance = GradientProvenance(optimizer)
+        self._provenance = GradientProvenance(model if trains else None)
         self._detach = weakref.finalize(self, _detach, self._recorder, self._provenance, self._adapter, self._hooked)
         self._strategies: dict[str, str] = {}
         self._structures: set[tuple[int, ...]] = set()  # forward structures whose coverage was checked

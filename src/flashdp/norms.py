@@ -29,7 +29,7 @@ class PerSampleNorms:
         self, model: nn.Module, *, kernels: Backend = "auto", self_check: int | None = DEFAULT_SELF_CHECK_INTERVAL
     ) -> None:
         settings = EngineSettings(mode="bk", max_grad_norm=1.0, kernels=kernels, self_check=self_check)
-        self._engine = DPEngine(model, settings, PrivacyRequest(noise_multiplier=0.0))
+        self._engine = DPEngine(model, settings, PrivacyRequest(noise_multiplier=0.0), trains=False)
 
     def __call__(self, loss: Tensor, *, per_parameter: bool = False) -> Tensor | dict[str, Tensor]:
         """loss: `[B]`, one loss per sample of the model's last forward. The norms `[B]`, or per parameter."""

@@ -1,5 +1,7 @@
 """Gradients reach the optimizer only through engine.backward: anything else is refused before it is stepped."""
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -30,6 +32,36 @@ def test_an_opacus_style_loop_is_refused_at_the_optimizer_step():
         optimizer.step()
     engine.detach()
     optimizer.step()  # a detached engine leaves the optimizer alone
+
+
+def test_an_opacus_style_loop_with_an_optimizer_not_given_to_make_private_is_refused():
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    optimizer = torch.optim.Adam(model[2].parameters())  # built after make_private, over part of the model
+    _loss(model).mean().backward()
+    with pytest.raises(FlashDPError, match=r"directly after make_private, on an optimizer holding 2 of the model's"):
+        optimizer.step()
+    del engine
+    gc.collect()  # an engine dropped without detach takes its hook with it
+    optimizer.step()
+
+
+def test_an_optimizer_over_another_model_steps_freely():
+    _, _, engine = _setup()
+    other = nn.Linear(3, 3)
+    optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    other(torch.randn(2, 3)).sum().backward()
+    before = other.weight.detach().clone()
+    optimizer.step()
+    assert not torch.equal(before, other.weight)
+    engine.detach()
+
+
+def test_an_optimizer_over_frozen_parameters_only_steps_freely():
+    model, _, engine = _setup()
+    model[0].requires_grad_(False)
+    torch.optim.SGD(model[0].parameters(), lr=0.1).step()
+    engine.detach()
 
 
 def test_skipping_engine_step_is_refused():

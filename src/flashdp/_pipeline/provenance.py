@@ -8,16 +8,20 @@ private. Two guards, at no cost to a step:
   by every in-place change); `engine.backward` and `engine.step` refuse to go on if one changed since, unless it
   was cleared (None or zeros: that removes signal, never adds any). The first backward of a step likewise refuses
   a non-zero gradient it did not produce.
-- a pre-hook on the optimizer's `step()`, which refuses a step not taken by `engine.step()` (it adds no noise).
+- a global pre-hook on every optimizer's `step()` (`register_optimizer_step_pre_hook`), which refuses a step over
+  the model's trainable parameters not taken by `engine.step()` (it adds no noise), whether or not that optimizer
+  was given to make_private.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from flashdp.errors import FlashDPError
 
@@ -26,12 +30,15 @@ Gradients = Sequence[tuple[str, Tensor | None]]
 
 
 class GradientProvenance:
-    def __init__(self, optimizer: torch.optim.Optimizer | None) -> None:
+    def __init__(self, guarded: nn.Module | None) -> None:
+        """guarded: the model whose trainable parameters no optimizer may step outside `engine.step()` (None: no
+        such guard, for per-sample norms without training)."""
         #: name -> (gradient, its version) as engine.backward left it; None: no backward since the last step.
         #: The tensors themselves, not their ids: a freed gradient's id may be reused by a foreign one.
         self._fingerprints: dict[str, tuple[Tensor, int] | None] | None = None
         self._stepping = False
-        self._hook = optimizer.register_step_pre_hook(self._refuse_foreign_step) if optimizer is not None else None
+        self._guarded = weakref.ref(guarded) if guarded is not None else None
+        self._hook = register_optimizer_step_pre_hook(self._refuse_foreign_step) if guarded is not None else None
 
     def check_before_backward(self, gradients: Gradients) -> None:
         foreign = self._foreign(gradients)
@@ -85,11 +92,17 @@ class GradientProvenance:
         )
 
     def _refuse_foreign_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if not self._stepping:
+        model = self._guarded() if self._guarded is not None else None
+        if self._stepping or model is None:
+            return
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        stepped = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) in trainable)
+        if stepped:
             raise FlashDPError(
-                "optimizer.step() was called directly after make_private: that step adds no noise and is not "
-                "accounted, so it is not private. Call engine.backward(per_sample_losses), then engine.step() "
-                "(which calls optimizer.step() and optimizer.zero_grad() itself)."
+                f"optimizer.step() was called directly after make_private, on an optimizer holding {stepped} of the "
+                "model's trainable parameters: that step adds no noise and is not accounted, so it is not private. "
+                "Give the optimizer to make_private(..., optimizer=opt), call engine.backward(per_sample_losses), "
+                "then engine.step() (which calls optimizer.step() and optimizer.zero_grad() itself)."
             )
 
 

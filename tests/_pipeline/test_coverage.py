@@ -9,7 +9,7 @@ from torch import nn
 
 import flashdp
 from flashdp import FlashDPError
-from tests.oracle import check_against_oracle
+from tests.oracle import check_against_oracle, per_sample_grads
 from tests.strategies import per_sample_loss
 
 MISSED = "flashdp would miss part of these parameters' per-sample gradients"
@@ -247,3 +247,37 @@ def test_an_output_computed_from_another_output_is_counted_once(hidden_in_loss, 
         return per_sample_loss(out) + (per_sample_loss(hidden) if hidden_in_loss else 0)
 
     check_against_oracle(model, loss, 3, mode=mode)
+
+
+class SometimesOutside(nn.Module):
+    """lin.weight also used outside lin on some steps only, with the same layers called in the same order."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.outside = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y + x @ self.lin.weight.T if self.outside else y
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_use_outside_the_layer_from_a_later_step_on_is_counted_on_a_self_checked_step(mode):
+    """The coverage walk runs once per forward structure, and again with every self-check (docs/assumptions.md:
+    What no check can see): self_check=1 counts a use that appears on a later step with the same structure."""
+    model = SometimesOutside().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    loss_of = lambda s: per_sample_loss(model(x[s]))  # noqa: E731
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1e6, noise_multiplier=1.0, self_check=1) as engine:
+        engine.backward(loss_of(slice(None)))
+        model.zero_grad()
+        model.outside = True
+        norms = engine.backward(loss_of(slice(None)))
+        assert engine.strategies["lin.weight"] == "generic"
+        counted = {n: p.grad.clone() for n, p in model.named_parameters()}
+    expected = per_sample_grads(model, loss_of, 3)
+    flat = torch.cat([g.flatten(1) for g in expected.values()], dim=1)
+    torch.testing.assert_close(norms.double(), flat.norm(dim=1), rtol=1e-6, atol=0)
+    for name, g in expected.items():  # C far above every norm: the clipped sum is the plain sum
+        torch.testing.assert_close(counted[name], g.sum(0), rtol=1e-9, atol=1e-12)

@@ -10,8 +10,8 @@ import secrets
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -106,6 +106,7 @@ class DPEngine:
         self._check_generator = torch.Generator().manual_seed(0)
         self._last_loss_node: int | None = None
         self._shared_sites: set[int] = set()  # modules whose outputs are shared across the batch
+        self._not_batch_first: set[int] = set()  # modules verified to give outputs whose dim 0 is not the batch
         self._skipped_samples = 0
         #: called by step() once the clipped sums are in .grad, before the noise (the canary audit adds its own)
         self._before_noise: list[Callable[[], None]] = []
@@ -227,32 +228,54 @@ class DPEngine:
 
     def _measure(self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool) -> _Measured:
         """The norm pass and the per-sample norms of every trainable parameter reached by the loss, checked
-        (coverage on a new forward structure, the self-check when due, non-finite gradients)."""
+        (coverage on a new forward structure, the self-check when due, non-finite gradients).
+
+        What a backward learns about the model (the plan, its layers' layouts, the forward structures it verified,
+        that a self-check ran) is kept only if the backward succeeds: after a failed verification, the next backward
+        must not trust a layout learnt from, say, a loss that mixed samples."""
+        learnt = _Learnt(
+            self._recorder.plan,
+            set(self._shared_sites),
+            set(self._not_batch_first),
+            set(self._structures),
+            self._last_self_check,
+        )
+        try:
+            return self._measure_checked(loss, calls, keep_graph, keep_for_sum)
+        except BaseException:
+            self._recorder.plan = learnt.plan
+            self._shared_sites, self._not_batch_first = learnt.shared_sites, learnt.not_batch_first
+            self._structures, self._last_self_check = learnt.structures, learnt.last_self_check
+            raise
+
+    def _measure_checked(self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool) -> _Measured:
         batch = loss.shape[0]
         checking = self._self_check_due()
         structure = tuple(id(call.module) for call in calls)
         new_structure = structure not in self._structures
         if checking or new_structure:
             if self._cover(loss, calls, batch):
-                checking = self._self_check_enabled  # a new plan is checked at once
+                checking = self._plan_changed_check()
             self._structures.add(structure)
-        plan = self._plan
-        rule_calls = [  # (scopes only enclose rule sites)
-            c if plan.site(c.module).match.rule.per_call else c.without_outputs()
-            for c in calls
-            if plan.site(c.module).match
-        ]
-        calls.clear()  # from here the norm pass owns the calls, and releases each once its gradients are in
-        if not rule_calls:
-            raise no_trainable_layer_error()
-        held = self._graph_tensors(rule_calls) if checking else {}
-        dtypes = [loss.dtype, *(m.dtype for c in rule_calls for m in c.output_meta)]
         # a new structure, and every self-check, verifies that every layer's output rows are per-sample
         verify = (checking or new_structure) and self._adapter.second_backward
         verify &= batch > 1 or self._adapter.world_size > 1  # every rank runs the pass (FSDP collectives)
+        recorded = list(calls) if verify else []  # (scopes too: a layer verified not batch-first is covered again)
         keep = self._overflow_keep(keep_for_sum)
-        collector = self._norm_pass(loss, rule_calls, keep_graph or checking, keep_for_sum, verify, keep)
-        del rule_calls  # (the collector releases each call once its gradients are in)
+        while True:
+            rule_calls = self._rule_calls(calls)
+            calls.clear()  # from here the norm pass owns the calls, and releases each once its gradients are in
+            held = self._graph_tensors(rule_calls) if checking else {}
+            dtypes = [loss.dtype, *(m.dtype for c in rule_calls for m in c.output_meta)]
+            try:
+                collector = self._norm_pass(loss, rule_calls, keep_graph or checking, keep_for_sum, verify, keep)
+                break
+            except _NotBatchFirst:  # its parameters move to an enclosing module's generic rule; verified again
+                calls = list(recorded)
+                self._cover(loss, calls, batch)
+                self._structures.add(structure)
+                checking = self._plan_changed_check()
+        del rule_calls, recorded  # (the collector releases each call once its gradients are in)
         plan = self._plan
         with torch.no_grad(), kernels_backend(self.settings.backend), self._timer.phase("norm computation"):
             norms = collector.finish()
@@ -269,6 +292,18 @@ class DPEngine:
             if checking:
                 self._check_per_sample(loss, norms, held, self_check.tolerance(dtypes), retain_graph=keep_graph)
         return _Measured(norms, clip_norms_sq, skipped)
+
+    def _rule_calls(self, calls: list[Call]) -> list[Call]:
+        """The calls of rule sites (scopes only enclose them), without the outputs their rules do not read."""
+        plan = self._plan
+        rule_calls = [
+            c if plan.site(c.module).match.rule.per_call else c.without_outputs()
+            for c in calls
+            if plan.site(c.module).match
+        ]
+        if not rule_calls:
+            raise no_trainable_layer_error()
+        return rule_calls
 
     def _norm_pass(
         self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool, verify: bool, keep: dict
@@ -291,20 +326,21 @@ class DPEngine:
                 shared=shared,
                 **keep,
             )
-            output_grads: list[tuple] = [()] * len(calls)
-
-            receive = functools.partial(_receive, collector, output_grads if verify else None)
+            verifying = _Verifying([()] * len(calls)) if verify else None
+            receive = functools.partial(_receive, collector, verifying)
             sharing = broadcast.per_sample_gradients(list(shared.values()), batch)
             with self._timer.phase("norm pass"), self._adapter.norm_pass(), sharing:
                 held = {i for i, _ in shared}
                 # (without verifying, `calls` is handed over: it is emptied, and only the collector holds each call)
                 passed = list(calls) if verify else calls
                 stream_output_gradients(loss, passed, receive, held, keep_graph or verify, prepare=collector.unpack)
-            if not verify:
+            if verifying is None:
                 return collector
             with torch.no_grad():
-                failing = self._batch_independence(loss, calls, output_grads, shared)
+                failing = self._batch_independence(loss, calls, verifying.output_grads, shared)
             if not failing:
+                if verifying.errors:
+                    raise verifying.errors[0]
                 return collector
             if not self._learn_layout(loss, calls, failing, batch):
                 sites = [self._plan.site(c.module).label for c in calls]
@@ -354,7 +390,9 @@ class DPEngine:
             targets = (
                 coverage.promotions(uses, calls, self._plan)
                 if uses
-                else coverage.layout_promotions(misfits, calls, self._plan, found.enclosing, batch)
+                else coverage.layout_promotions(
+                    misfits, calls, self._plan, found.enclosing, batch, self._not_batch_first
+                )
             )
             if self._adapter.reshards_after_forward:
                 names = sorted(use.param.name for use in uses)
@@ -395,7 +433,7 @@ class DPEngine:
             i: [
                 edge
                 for edge, meta, dim in zip(call.edges, call.output_meta, self._batch_dims(call), strict=True)
-                if _lacks_batch(meta.shape, dim, batch)
+                if _lacks_batch(meta.shape, dim, batch) or id(call.module) in self._not_batch_first
             ]
             for i, call in enumerate(calls)
             if i in entered and batch > 1 and self._plan.site(call.module).match is not None
@@ -415,6 +453,12 @@ class DPEngine:
     def _self_check_enabled(self) -> bool:
         """Not under FSDP1, which cannot run a second pass over one forward."""
         return self.settings.self_check is not None and self._adapter.second_backward
+
+    def _plan_changed_check(self) -> bool:
+        """A plan changed in this backward is checked at once, even with self_check=None: a module that has just
+        become a generic rule site was recorded as a scope, without the outputs that rule's own check of its
+        recomputation compares (a forward that mixes samples would go through on this step)."""
+        return self._adapter.second_backward
 
     def _self_check_due(self) -> bool:
         """On the first backward, then every `self_check` calls (the same on every rank: it adds passes over
@@ -465,17 +509,25 @@ class DPEngine:
         return batch_dims(self._plan.site(call.module), call)
 
     def _learn_layout(self, loss: Tensor, calls: list[Call], failing: list[int], batch: int) -> bool:
-        """Whether every call whose output rows were found not per-sample either shares its outputs across the batch
-        (its dims equal B by chance) or is a position-wise layer with the batch in a later dim (time-major, T
-        equal to B by chance): then that is known from now on, to be verified again."""
+        """Learn why calls' output rows were found not per-sample, to be verified again: outputs shared across the
+        batch (their dims equal B by chance), position-wise layers with the batch in a later dim (time-major, T
+        equal to B by chance), and other layers whose dim 0 is not the batch (raises `_NotBatchFirst`: their
+        parameters are to be covered again). False where that cannot explain the failure: every layer fails (the
+        losses mix samples), or the layers were already known not batch-first."""
         graph = broadcast.parents(loss)
         shared = {i for i in failing if any(broadcast.frontiers(edge, graph, batch) for edge in calls[i].edges)}
         time_major = {i: d for i in failing if i not in shared and (d := self._time_major_dim(calls[i], batch))}
-        if len(shared) + len(time_major) < len(failing):
+        others = [i for i in failing if i not in shared and i not in time_major]
+        if others and len(set(failing)) == len(calls):  # every layer fails: the losses mix samples
+            return False
+        if others and all(id(calls[i].module) in self._not_batch_first for i in others):  # known, not covered
             return False
         self._shared_sites.update(id(calls[i].module) for i in shared)
         if time_major:  # (verified by the redone pass: the structure stays known)
             self._recorder.plan = self._plan.with_batch_dims({calls[i].module: d for i, d in time_major.items()})
+        if others:  # (a time-major layer without a position-wise rule, whose T equals B)
+            self._not_batch_first.update(id(calls[i].module) for i in others)
+            raise _NotBatchFirst
         return True
 
     def _graph_tensors(self, calls: list[Call]) -> dict[object, Tensor]:
@@ -690,11 +742,41 @@ class _Measured:
 _RESUMED_SETTINGS = ("noise_multiplier", "sample_rate", "max_grad_norm")
 
 
-def _receive(collector: NormCollector, held: list | None, index: int, grads: tuple) -> None:
-    """Hand one call's output gradients to the collector, and hold them in `held` where it is given."""
-    if held is not None:
-        held[index] = grads
-    collector.receive(index, grads)
+class _Learnt(NamedTuple):
+    """What the engine has learnt about the model when a backward starts."""
+
+    plan: GradientPlan
+    shared_sites: set[int]
+    not_batch_first: set[int]
+    structures: set[tuple[int, ...]]
+    last_self_check: int | None
+
+
+class _NotBatchFirst(Exception):
+    """A verifying norm pass found layers whose outputs' dim 0 is not the batch although its size is B: their
+    parameters are to be covered again, by the generic rule of a module that encloses them."""
+
+
+@dataclass
+class _Verifying:
+    """What a verifying norm pass keeps until the pass ends: every call's output gradients, and the errors its
+    rules raised. A rule may fail because a layer's rows are not samples (a time-major layer with T == B passes
+    the size checks), so its error is raised only once the layout is verified."""
+
+    output_grads: list[tuple]
+    errors: list[Exception] = field(default_factory=list)
+
+
+def _receive(collector: NormCollector, verifying: _Verifying | None, index: int, grads: tuple) -> None:
+    """Hand one call's output gradients to the collector; while verifying, hold them and defer rule errors."""
+    if verifying is None:
+        collector.receive(index, grads)
+        return
+    verifying.output_grads[index] = grads
+    try:
+        collector.receive(index, grads)
+    except Exception as error:  # raised after the pass, unless the layout explains it
+        verifying.errors.append(error)
 
 
 def _group_norms_sq(norms: list[tuple[TrainableParam, ParamNorm]], groups: int, batch: int, device) -> Tensor:

@@ -10,10 +10,9 @@ from torch import nn
 import flashdp
 from flashdp import FlashDPError
 from flashdp._pipeline import blocks
-from tests.oracle import check_against_oracle
+from tests.oracle import check_against_oracle, per_sample_grads
 from tests.strategies import per_sample_loss
 
-NOT_SEPARABLE = "Self-check failed: the gradient of these layers' outputs is not separable by sample"
 DIFFERS = r"Self-check failed for sample \d+: what flashdp counted differs from autograd's"
 
 
@@ -70,18 +69,50 @@ def test_a_time_major_linear_is_exact(steps, mode):
         assert "generic" not in engine.strategies.values()
 
 
-def test_rows_permuted_inside_the_forward_are_caught():
-    class Permuting(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner, self.out = nn.Linear(3, 3), nn.Linear(3, 2)
+class Permuting(nn.Module):
+    """`inner` runs on the rows reversed: its output rows are not samples (its size says they are). With `restore`
+    the rows are put back in order: the model is per-sample; with `mix`, samples are mixed between the layers."""
 
-        def forward(self, x):
-            order = torch.arange(x.shape[0]).flip(0)
-            return self.out(self.inner(x[order])[order].tanh())
+    def __init__(self, restore: bool = True, mix: bool = False):
+        super().__init__()
+        self.inner, self.out = nn.Linear(3, 3), nn.Linear(3, 2)
+        self.restore, self.mix = restore, mix
 
-    model = Permuting()
-    with _engine(model) as engine, pytest.raises(FlashDPError, match=rf"{NOT_SEPARABLE}: 'inner' \(Linear\)"):
+    def forward(self, x):
+        order = torch.arange(x.shape[0]).flip(0)
+        h = self.inner(x[order])
+        h = h[order] if self.restore else h
+        return self.out((h - h.mean(0) if self.mix else h).tanh())
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_rows_permuted_and_restored_inside_the_forward_are_counted_exactly(mode):
+    """Verification finds `inner`'s rows not per-sample: its parameters move to the generic rule of the model,
+    whose outputs are."""
+    model = Permuting().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 4, mode=mode)
+    model.zero_grad()
+    with _engine(model, mode=mode) as engine:
+        engine.backward(per_sample_loss(model(x)))
+        assert engine.strategies["inner.weight"] == "generic"
+        assert engine.strategies["out.weight"] != "generic"
+
+
+def test_rows_left_permuted_belong_to_the_loss_that_reads_them():
+    """loss[i] reads sample 3 - i alone: each sample still reaches one loss, and row i of every layer is loss i's."""
+    model = Permuting(restore=False).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    reversed_ = lambda s: per_sample_loss(model(x.flip(0)[s].flip(0)))  # noqa: E731 (one sample: no reversal)
+    check_against_oracle(model, reversed_, 4)
+
+
+@pytest.mark.parametrize("self_check", [200, None], ids=["default", "self-check-off"])
+def test_samples_mixed_between_layers_are_caught(self_check):
+    """The model's generic rule, which `inner` moves to, recomputes it one sample at a time and counts what the
+    batch mean hides: the check of a plan changed in this backward runs even with the self-check off."""
+    model = Permuting(mix=True)
+    with _engine(model, self_check=self_check) as engine, pytest.raises(FlashDPError, match=rf"(?s){DIFFERS}.*'inner"):
         engine.backward(per_sample_loss(model(torch.randn(4, 3))))
 
 
@@ -109,30 +140,30 @@ def test_a_wrong_norm_is_caught():
         engine.backward(per_sample_loss(model(torch.randint(0, 9, (3, 6)))))
 
 
-class SometimesPermuting(nn.Module):
-    """Correct until `permute` is set: a data-dependent bug the self-check meets only when it runs."""
+class SometimesMixing(nn.Module):
+    """Correct until `mix` is set: a data-dependent bug the self-check meets only when it runs."""
 
     def __init__(self):
         super().__init__()
         self.inner, self.out = nn.Linear(3, 3), nn.Linear(3, 2)
-        self.permute = False
+        self.mix = False
 
     def forward(self, x):
-        order = torch.arange(x.shape[0]).flip(0) if self.permute else torch.arange(x.shape[0])
-        return self.out(self.inner(x[order])[order].tanh())
+        h = self.inner(x)
+        return self.out((h - h.mean(0) if self.mix else h).tanh())
 
 
 def test_the_self_check_runs_first_then_every_interval():
-    model = SometimesPermuting()
+    model = SometimesMixing()
     x = torch.randn(4, 3)
     with _engine(model, self_check=3) as engine:
         engine.backward(per_sample_loss(model(x)))  # call 0: checked, correct
-        model.permute = True
+        model.mix = True
         for _ in range(2):  # calls 1 and 2 are not checked: the bug goes through (the documented trade-off)
             model.zero_grad()
             engine.backward(per_sample_loss(model(x)))
         model.zero_grad()
-        with pytest.raises(FlashDPError, match=NOT_SEPARABLE):  # call 3 is
+        with pytest.raises(FlashDPError, match=DIFFERS):  # call 3 is
             engine.backward(per_sample_loss(model(x)))
 
 
@@ -153,3 +184,21 @@ def test_the_self_check_can_be_turned_off():
 def test_a_bad_self_check_interval_is_refused(value):
     with pytest.raises(FlashDPError, match=r"self_check is the number of backward calls between two self-checks"):
         _engine(nn.Linear(2, 2), self_check=value)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_failed_verification_leaves_nothing_learnt(mode):
+    """`[B, T, d]` with T == B and a loss that mixes samples: verifying, the Linears are tried time-major (their
+    dim 1 has size B too) before the error. The next backward, with a correct loss and the same layers called,
+    must not trust that layout."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    x = torch.randn(4, 4, 3, dtype=torch.float64)
+    loss_of = lambda s: model(x[s]).square().sum((1, 2))  # noqa: E731
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1e6, noise_multiplier=1.0) as engine:
+        out = model(x)
+        with pytest.raises(FlashDPError, match=r"(?s)loss.* mix samples"):
+            engine.backward((out - out.mean(0)).square().sum((1, 2)))
+        model.zero_grad()
+        norms = engine.backward(loss_of(slice(None)))
+    expected = torch.cat([g.flatten(1) for g in per_sample_grads(model, loss_of, 4).values()], dim=1).norm(dim=1)
+    torch.testing.assert_close(norms.double(), expected, rtol=1e-6, atol=0)

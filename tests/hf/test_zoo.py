@@ -7,6 +7,7 @@ import torch
 
 import flashdp
 from tests.conftest import MODES
+from tests.hf import zoo
 from tests.hf.zoo import CASES, PEFT_CASES, B
 from tests.oracle import check_against_oracle
 
@@ -42,3 +43,16 @@ def test_removing_one_sample_moves_the_sum_by_at_most_c_with_the_generic_rule(na
         assert "generic" in engine.strategies.values()
         for i in range(B):
             assert (full - clipped_sum([j for j in range(B) if j != i])).norm() <= c * (1 + 1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("name", ["t5", "xlnet", "whisper"])
+def test_a_batch_as_long_as_the_sequence_is_exact(name, mode, monkeypatch):
+    """T5 looks its relative bias up with ids `[q_len, k_len]`, XLNet runs `[T, B, d]` and Whisper's decoder
+    positions are `[T, d]`: with B == T, a check of sizes alone would take their positions for samples."""
+    monkeypatch.setattr(zoo, "B", zoo.T)
+    monkeypatch.setattr(zoo, "LABELS", torch.arange(zoo.T) % 3)
+    case = CASES[name]()
+    model = case.build().to(case.dtype).eval()
+    check_against_oracle(model, lambda s: case.loss(model, s), zoo.T, mode=mode, rtol=1e-6)

@@ -17,7 +17,7 @@ every self-check.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -164,11 +164,17 @@ def _leave(inside: tuple[int, ...], boundaries: list[set[tuple[Node, int]]], edg
 
 
 def layout_promotions(
-    misfits: Iterable[int], calls: Sequence[Call], plan: GradientPlan, enclosing: dict[int, tuple[int, ...]], batch: int
+    misfits: Iterable[int],
+    calls: Sequence[Call],
+    plan: GradientPlan,
+    enclosing: dict[int, tuple[int, ...]],
+    batch: int,
+    not_batch_first: Collection[int] = (),
 ) -> dict[nn.Module, list[Hashable]]:
     """Per call whose output is neither batch-first nor broadcast over the batch (DeBERTa's relative position
     projections, repeated over the batch and heads), the smallest enclosing module whose own outputs are
-    batch-first: the generic rule there counts the call's parameters, per sample. Raises where none is."""
+    batch-first (by size, and not among the modules whose ids are in `not_batch_first`: verified otherwise): the
+    generic rule there counts the call's parameters, per sample. Raises where none is."""
     targets: dict[nn.Module, list[Hashable]] = {}
     for i in misfits:
         site = plan.site(calls[i].module)
@@ -177,6 +183,7 @@ def layout_promotions(
             for j in reversed(enclosing.get(i, ()))
             if _ancestor(plan.site(calls[j].module).path, site.path)
             and all(m.shape and m.shape[0] % batch == 0 for m in calls[j].output_meta)
+            and id(calls[j].module) not in not_batch_first
         ]
         if not outer:
             if not any(batch in m.shape for m in calls[i].output_meta):  # the loss's batch is wrong

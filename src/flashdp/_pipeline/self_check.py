@@ -112,7 +112,8 @@ def _rows(grad: Tensor, shape: torch.Size, dim: int, batch: int) -> Tensor:
 def batch_independence_error(failing: Sequence[str], every: Sequence[str]) -> FlashDPError:
     cause = (
         "every layer fails, so most likely the per-sample losses mix samples (a contrastive loss over the batch, a "
-        "loss or normalisation that uses batch statistics): loss[i] must depend on sample i only"
+        "loss or normalisation that uses batch statistics): loss[i] must depend on sample i only. Less likely: "
+        "every layer runs on time-major [T, B, ...] inputs whose T happens to equal B"
         if set(failing) == set(every)
         else "the batch is not the first dim of these layers' outputs (a time-major [T, B, ...] input whose T happens "
         "to equal B, rows permuted inside the forward), or samples are mixed after them"

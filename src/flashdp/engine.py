@@ -326,7 +326,7 @@ class DPEngine:
                 shared=shared,
                 **keep,
             )
-            verifying = _Verifying([()] * len(calls)) if verify else None
+            verifying = _Verifying(calls, [self._batch_dims(c) for c in calls], set(shared), batch) if verify else None
             receive = functools.partial(_receive, collector, verifying)
             sharing = broadcast.per_sample_gradients(list(shared.values()), batch)
             with self._timer.phase("norm pass"), self._adapter.norm_pass(), sharing:
@@ -337,7 +337,7 @@ class DPEngine:
             if verifying is None:
                 return collector
             with torch.no_grad():
-                failing = self._batch_independence(loss, calls, verifying.output_grads, shared)
+                failing = self._batch_independence(loss, calls, verifying)
             if not failing:
                 if verifying.errors:
                     raise verifying.errors[0]
@@ -472,13 +472,12 @@ class DPEngine:
         self._last_self_check = index
         return True
 
-    def _batch_independence(self, loss: Tensor, calls: list[Call], output_grads: list, shared: dict) -> list[int]:
+    def _batch_independence(self, loss: Tensor, calls: list[Call], verifying: _Verifying) -> list[int]:
         """The calls whose output rows are not per-sample (batch independence, the self-check's first part)."""
-        dims = [self._batch_dims(c) for c in calls]
         rtol = self_check.tolerance([loss.dtype, *(m.dtype for c in calls for m in c.output_meta)])
         with self._adapter.norm_pass():
             return self_check.batch_independence_failures(
-                loss, calls, output_grads, dims, set(shared), rtol, self._check_generator
+                loss, calls, verifying.sketches, verifying.dims, rtol, self._check_generator
             )
 
     def _shared_outputs(self, loss: Tensor, calls: list[Call], batch: int) -> dict:
@@ -759,20 +758,36 @@ class _NotBatchFirst(Exception):
 
 @dataclass
 class _Verifying:
-    """What a verifying norm pass keeps until the pass ends: every call's output gradients, and the errors its
-    rules raised. A rule may fail because a layer's rows are not samples (a time-major layer with T == B passes
-    the size checks), so its error is raised only once the layout is verified."""
+    """What a verifying norm pass keeps until the pass ends: sketches of every call's output gradients (the
+    weighted pass is compared with them), and the errors its rules raised. A rule may fail because a layer's rows
+    are not samples (a time-major layer with T == B passes the size checks), so its error is raised only once the
+    layout is verified."""
 
-    output_grads: list[tuple]
+    calls: list[Call]
+    #: each call's batch dim per output
+    dims: list[tuple[int, ...]]
+    #: (call, output) indices of outputs shared across the batch
+    shared: set[tuple[int, int]]
+    batch: int
+    sketches: list[tuple[self_check.RowSketch | None, ...]] = field(init=False)
     errors: list[Exception] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sketches = [()] * len(self.calls)
+
+    def keep(self, index: int, grads: tuple) -> None:
+        shared = {j for i, j in self.shared if i == index}
+        self.sketches[index] = self_check.sketch_output_gradients(
+            self.calls[index], grads, self.dims[index], self.batch, shared, seed=index
+        )
 
 
 def _receive(collector: NormCollector, verifying: _Verifying | None, index: int, grads: tuple) -> None:
-    """Hand one call's output gradients to the collector; while verifying, hold them and defer rule errors."""
+    """Hand one call's output gradients to the collector; while verifying, sketch them and defer rule errors."""
     if verifying is None:
         collector.receive(index, grads)
         return
-    verifying.output_grads[index] = grads
+    verifying.keep(index, grads)
     try:
         collector.receive(index, grads)
     except Exception as error:  # raised after the pass, unless the layout explains it

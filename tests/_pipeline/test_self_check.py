@@ -9,7 +9,7 @@ from torch import nn
 
 import flashdp
 from flashdp import FlashDPError
-from flashdp._pipeline import blocks
+from flashdp._pipeline import blocks, self_check
 from tests.oracle import check_against_oracle, per_sample_grads
 from tests.strategies import per_sample_loss
 
@@ -202,3 +202,27 @@ def test_a_failed_verification_leaves_nothing_learnt(mode):
         norms = engine.backward(loss_of(slice(None)))
     expected = torch.cat([g.flatten(1) for g in per_sample_grads(model, loss_of, 4).values()], dim=1).norm(dim=1)
     torch.testing.assert_close(norms.double(), expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim"),
+    [((6, 5, 7), 0), ((5, 6, 7), 1), ((18, 4), 0), ((6,), 0), ((6, 9, 1), 0), ((6, 3, 4, 5), 0)],
+    ids=["batch-first", "time-major", "folded-rows", "one-value", "trailing-1", "4-d"],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_row_sketches_pass_scaled_rows_exactly_and_catch_mixed_ones(shape, dim, dtype):
+    """The weighted pass's gradient of a per-sample output is each sample's rows times its power of two: the
+    sketch's error is then exactly 0. Rows that are another sample's are caught at every tolerance the check uses."""
+    batch = 6
+    grad = torch.randn(shape, dtype=torch.float64).to(dtype)
+    weights = self_check._powers_of_two(batch, torch.Generator().manual_seed(0))
+    sketch = self_check.RowSketch.of(grad, torch.Size(shape), dim, batch, seed=3)
+    by_sample = grad.movedim(dim, 0)
+    by_sample = by_sample.reshape(batch, -1, *by_sample.shape[1:])  # (folded rows: k per sample)
+    scale = weights.to(dtype).reshape(batch, *[1] * (by_sample.dim() - 1))
+    scaled = (by_sample * scale).reshape(grad.movedim(dim, 0).shape).movedim(0, dim)
+    assert not sketch.fails(scaled, torch.Size(shape), dim, weights, rtol=0.0)
+    mixed = by_sample * scale
+    mixed[1] = mixed[2]  # sample 1's rows are another sample's
+    mixed = mixed.reshape(grad.movedim(dim, 0).shape).movedim(0, dim)
+    assert sketch.fails(mixed, torch.Size(shape), dim, weights, rtol=self_check.tolerance([dtype]))

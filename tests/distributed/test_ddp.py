@@ -1,5 +1,10 @@
 """DistributedDataParallel on 2 gloo processes."""
 
+import pytest
+import torch
+
+from tests.distributed import workloads
+from tests.distributed.launch import run
 from tests.distributed.suite import AdapterSuite, check_noise_once_per_coordinate_with_the_right_std
 
 
@@ -9,3 +14,16 @@ class TestDDP(AdapterSuite):
 
 def test_noise_is_the_same_on_every_replica_with_the_right_std():
     check_noise_once_per_coordinate_with_the_right_std("ddp")
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_layout_found_by_verifying_on_one_rank_only(mode):
+    """DDP's norm pass runs no collective, so a rank may verify alone. (Under FSDP1, which cannot verify, and FSDP2,
+    whose passes all-gather, this is an open gap: see docs/distributed.md.)"""
+    ranks = run(workloads.rank_with_a_batch_as_long_as_the_sequence, "ddp", mode)
+    model = workloads.build_time_major_model()
+    expected_norms = workloads.train(model, model, workloads.global_batch(), mode, noise=0.0, micro=workloads.BATCH)
+    torch.testing.assert_close(torch.cat([r["norms"] for r in ranks]), expected_norms, rtol=1e-5, atol=1e-6)
+    for rank in ranks:
+        for got, expected in zip(rank["params"], model.parameters(), strict=True):
+            torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)

@@ -19,6 +19,25 @@ def build_model() -> nn.Module:
     return nn.Sequential(nn.Embedding(12, 6), nn.LayerNorm(6), nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 11))
 
 
+class TimeMajor(nn.Module):
+    """Runs a layer on `[T, B, d]`: the input transposed, and the output transposed back."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x.transpose(0, 1)).transpose(0, 1)
+
+
+def build_time_major_model() -> nn.Module:
+    """build_model with its middle Linear run time-major (the same indices for `wrap`)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Embedding(12, 6), nn.LayerNorm(6), TimeMajor(nn.Linear(6, 10)), nn.Tanh(), nn.Linear(10, 11)
+    )
+
+
 def global_batch() -> torch.Tensor:
     return torch.randint(0, 11, (BATCH, 5), generator=torch.Generator().manual_seed(1))
 
@@ -143,3 +162,13 @@ def rank_with_a_nan_gradient(rank: int, wrapper: str, mode: str) -> str:
     except flashdp.FlashDPError as error:
         return str(error)
     return "no error"
+
+
+def rank_with_a_batch_as_long_as_the_sequence(rank: int, wrapper: str, mode: str) -> dict:
+    """Rank 0 holds 5 samples of length 5, rank 1 the other 3. On rank 0 the time-major Linear's `[T, B, d]` passes
+    the size check and is found by verifying; rank 1 finds it by size. Every rank must run the same passes."""
+    ids = global_batch()[:5] if rank == 0 else global_batch()[5:]
+    model = build_time_major_model()
+    wrapped = wrap(model, wrapper)
+    norms = train(model, wrapped, ids, mode, 0.0, micro=BATCH)
+    return {"norms": norms, "params": full_params(wrapped)}

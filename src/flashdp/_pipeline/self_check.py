@@ -2,7 +2,8 @@
 autograd's own per-sample gradients, taken on the very graph being clipped. It catches what no rule can see:
 
 1. batch independence (one extra pass over the graph): weighting the losses by random powers of two `r_i` must
-   scale row i of every recorded output's gradient by exactly `r_i`. That holds only if row i of each layer's
+   scale row i of every recorded output's gradient by exactly `r_i` (compared through random projections of each
+   sample's rows, `RowSketch`: the unweighted gradients are not held). That holds only if row i of each layer's
    output belongs to sample i alone and `loss[i]` depends on sample i only. It fails for a layer whose dim 0 is
    not the batch (a time-major `[T, B, d]` input with T == B, relative-position ids `[q_len, k_len]`) and for
    losses that mix samples (a contrastive loss over the batch, a loss using the batch mean).
@@ -63,19 +64,70 @@ def _powers_of_two(batch: int, generator: torch.Generator) -> Tensor:
     return weights
 
 
+#: random projections of each sample's rows that the batch-independence check keeps per output
+PROJECTIONS = 8
+
+
+@dataclass(frozen=True)
+class RowSketch:
+    """One output gradient's rows of each sample, kept as `PROJECTIONS` random bilinear projections `u_k^T X_i v_k`
+    (`X_i`: sample i's rows as an `[m, l]` matrix) and their norms, instead of the gradient itself.
+
+    A per-sample gradient scales exactly by its power-of-two weight, and so do its projections (the same
+    operations on scaled inputs round alike). Rows that mix samples differ by an error `E_i` of their own size,
+    and the mean square of Gaussian projections of `E_i` is `||E_i||^2`: the check sees it at any realistic
+    tolerance, for `O(B)` numbers held per output rather than the output's gradient."""
+
+    #: `[B, K]` float64
+    projections: Tensor
+    #: `[B]` float64: each sample's rows' norm
+    norms: Tensor
+    #: `[m, K]`, `[l, K]`
+    left: Tensor
+    right: Tensor
+
+    @staticmethod
+    def of(grad: Tensor, shape: torch.Size, dim: int, batch: int, seed: int) -> RowSketch:
+        rows = _sample_matrices(grad, shape, dim, batch)
+        generator = torch.Generator().manual_seed(seed)
+        left, right = (
+            torch.randn(n, PROJECTIONS, generator=generator, dtype=rows.dtype).to(rows.device) for n in rows.shape[1:]
+        )
+        return RowSketch(_project(rows, left, right), _norms(rows), left, right)
+
+    def fails(self, weighted: Tensor, shape: torch.Size, dim: int, weights: Tensor, rtol: float) -> bool:
+        """Whether the weighted pass's gradient of this output is not `weights[i]` times sample i's rows."""
+        rows = _sample_matrices(weighted, shape, dim, weights.shape[0])
+        expected = self.projections * weights[:, None]
+        error = (_project(rows, self.left, self.right) - expected).square().mean(1).sqrt()
+        scale = self.norms * weights + _norms(rows)
+        return bool((error > rtol * (scale + 1e-3 * scale.max())).any())
+
+
+def sketch_output_gradients(
+    call: Call, grads: tuple[Tensor | None, ...], dims: tuple[int, ...], batch: int, shared: Collection[int], seed: int
+) -> tuple[RowSketch | None, ...]:
+    """The sketches of one call's output gradients (None where an output does not reach the loss, is shared
+    across the batch (`shared`: output indices) or there is only one sample)."""
+    return tuple(
+        None
+        if grad is None or j in shared or batch < 2
+        else RowSketch.of(grad, meta.shape, dim, batch, seed * PROJECTIONS + j)
+        for j, (meta, grad, dim) in enumerate(zip(call.output_meta, grads, dims, strict=True))
+    )
+
+
 def batch_independence_failures(
     loss: Tensor,
     calls: Sequence[Call],
-    output_grads: Sequence[tuple[Tensor | None, ...]],
+    sketches: Sequence[tuple[RowSketch | None, ...]],
     batch_dims: Sequence[tuple[int, ...]],
-    shared: Collection[tuple[int, int]],
     rtol: float,
     generator: torch.Generator,
 ) -> list[int]:
     """The calls (indices) some output of which has gradient rows that are not per-sample (see the module
-    docstring); outputs shared across the batch (`shared`: (call, output) indices) are not rows of samples.
-    With fewer than 2 samples there is nothing to compare, but the pass still runs (FSDP ranks must run the same
-    passes)."""
+    docstring), from the sketches of the unweighted pass's output gradients. With fewer than 2 samples there is
+    nothing to compare, but the pass still runs (FSDP ranks must run the same passes)."""
     batch = loss.shape[0]
     weights = _powers_of_two(batch, generator).to(loss.device)
     with torch.enable_grad():
@@ -83,19 +135,16 @@ def batch_independence_failures(
     failing: list[int] = []
 
     def compare(index: int, weighted: tuple[Tensor | None, ...]) -> None:
-        """One call's weighted output gradients against its unweighted ones, as the weighted pass computes them."""
+        """One call's weighted output gradients against its sketches, as the weighted pass computes them."""
         call = calls[index]
-        for j, (meta, grad, weighted_grad, dim) in enumerate(
-            zip(call.output_meta, output_grads[index], weighted, batch_dims[index], strict=True)
+        for meta, sketch, weighted_grad, dim in zip(
+            call.output_meta, sketches[index], weighted, batch_dims[index], strict=True
         ):
-            if grad is None or weighted_grad is None or (index, j) in shared or batch < 2:
-                continue
-            # rows of sample i: row i, or rows i * k .. i * k + k - 1 of a batch folded into B * k rows
-            plain, got = (_rows(g, meta.shape, dim, batch) for g in (grad, weighted_grad))
-            scale_by = weights.to(plain.dtype)[:, None]  # (powers of two: exact in any dtype)
-            error = torch.addcmul(got, plain, scale_by, value=-1).norm(dim=1).double()  # got - expected
-            scale = plain.norm(dim=1).double() * weights + got.norm(dim=1).double()
-            if bool((error > rtol * (scale + 1e-3 * scale.max())).any()):
+            if (
+                sketch is not None
+                and weighted_grad is not None
+                and sketch.fails(weighted_grad, meta.shape, dim, weights, rtol)
+            ):
                 failing.append(index)
                 return
 
@@ -103,10 +152,23 @@ def batch_independence_failures(
     return sorted(failing)
 
 
-def _rows(grad: Tensor, shape: torch.Size, dim: int, batch: int) -> Tensor:
-    """`[B, n]`: an output gradient's rows by sample, in float32 at least (one copy at most: no float64 one)."""
-    rows = grad.view(shape).movedim(dim, 0).reshape(batch, -1)
+def _sample_matrices(grad: Tensor, shape: torch.Size, dim: int, batch: int) -> Tensor:
+    """`[B, m, l]`: each sample's rows of an output gradient (row i, or the k rows of a batch folded into B * k
+    rows) as one matrix, split between its dims where `B * m + l` is smallest; float32 at least."""
+    moved = grad.view(shape).movedim(dim, 0)
+    sizes = [moved.shape[0] // batch, *moved.shape[1:]]
+    splits = [(math.prod(sizes[:s]), math.prod(sizes[s:])) for s in range(len(sizes) + 1)]
+    rows = moved.reshape(batch, *min(splits, key=lambda split: batch * split[0] + split[1]))
     return rows.float() if rows.dtype in _HALF else rows
+
+
+def _project(rows: Tensor, left: Tensor, right: Tensor) -> Tensor:
+    """`[B, K]` float64: `left[:, k]^T X_i right[:, k]` for each sample's matrix `X_i` (`rows`: `[B, m, l]`)."""
+    return ((rows @ right) * left).sum(1).double()
+
+
+def _norms(rows: Tensor) -> Tensor:
+    return rows.flatten(1).norm(dim=1).double()
 
 
 def batch_independence_error(failing: Sequence[str], every: Sequence[str]) -> FlashDPError:

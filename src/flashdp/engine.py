@@ -254,9 +254,7 @@ class DPEngine:
         structure = tuple(id(call.module) for call in calls)
         new_structure = structure not in self._structures
         if checking or new_structure:
-            if self._cover(loss, calls, batch):
-                checking = self._plan_changed_check()
-            self._structures.add(structure)
+            checking = self._cover_structure(loss, calls, batch, structure, checking)
         # a new structure, and every self-check, verifies that every layer's output rows are per-sample
         verify = (checking or new_structure) and self._adapter.second_backward
         verify &= batch > 1 or self._adapter.world_size > 1  # every rank runs the pass (FSDP collectives)
@@ -272,9 +270,7 @@ class DPEngine:
                 break
             except _NotBatchFirst:  # its parameters move to an enclosing module's generic rule; verified again
                 calls = list(recorded)
-                self._cover(loss, calls, batch)
-                self._structures.add(structure)
-                checking = self._plan_changed_check()
+                checking = self._cover_structure(loss, calls, batch, structure, checking)
         del rule_calls, recorded  # (the collector releases each call once its gradients are in)
         plan = self._plan
         with torch.no_grad(), kernels_backend(self.settings.backend), self._timer.phase("norm computation"):
@@ -293,6 +289,16 @@ class DPEngine:
                 self._check_per_sample(loss, norms, held, self_check.tolerance(dtypes), retain_graph=keep_graph)
         return _Measured(norms, clip_norms_sq, skipped)
 
+    def _cover_structure(
+        self, loss: Tensor, calls: list[Call], batch: int, structure: tuple[int, ...], checking: bool
+    ) -> bool:
+        """Cover this forward structure (`_cover`) and mark it covered; whether this backward runs the per-sample
+        check: a plan changed here is checked at once (`_plan_changed_check`)."""
+        if self._cover(loss, calls, batch):
+            checking = self._plan_changed_check()
+        self._structures.add(structure)
+        return checking
+
     def _rule_calls(self, calls: list[Call]) -> list[Call]:
         """The calls of rule sites (scopes only enclose them), without the outputs their rules do not read."""
         plan = self._plan
@@ -309,9 +315,10 @@ class DPEngine:
         self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool, verify: bool, keep: dict
     ) -> NormCollector:
         """The norm pass: each call's output gradients go to a collector as autograd computes them (their norms
-        are part of the "norm pass" phase). With `verify`, the output gradients are also held until the pass ends,
-        to verify batch independence; a layer found shared across the batch, or time-major, only by verifying is
-        learnt, and the pass redone. `keep`: what the collector keeps for a float64 recomputation."""
+        are part of the "norm pass" phase). With `verify`, each is also sketched, and a weighted pass compared with
+        the sketches verifies batch independence; a layer found shared across the batch, or time-major, only by
+        verifying is learnt, and the pass redone (a layer found not batch-first otherwise raises `_NotBatchFirst`).
+        `keep`: what the collector keeps for a float64 recomputation."""
         batch = loss.shape[0]
         while True:
             shared = self._shared_outputs(loss, calls, batch)

@@ -5,6 +5,7 @@ The engine runs the stages of `flashdp._pipeline` (whose docstring lists them in
 
 from __future__ import annotations
 
+import enum
 import functools
 import secrets
 import warnings
@@ -22,6 +23,7 @@ from flashdp._checks import checked_delta
 from flashdp._pipeline import broadcast, coverage, guards, nonfinite, self_check
 from flashdp._pipeline.clipping import Clipping, clip_coefficients
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
+from flashdp._pipeline.grad_writes import GradWrites
 from flashdp._pipeline.norm_pass import batch_dims, stream_output_gradients
 from flashdp._pipeline.param_grad import ParamNorm, StrategyChoice
 from flashdp._pipeline.params import TrainableParam
@@ -32,7 +34,12 @@ from flashdp._pipeline.scan import GradientPlan, scan_model
 from flashdp._pipeline.settings import DEFAULT_SELF_CHECK_INTERVAL, EngineSettings, Mode, NonFinite
 from flashdp.data import poisson_loader
 from flashdp.distributed import Adapter, adapter_for
-from flashdp.distributed.checks import check_global_batch, check_norm_group, check_same_samples
+from flashdp.distributed.checks import (
+    check_global_batch,
+    check_norm_group,
+    check_same_samples,
+    highest_on_any_rank,
+)
 from flashdp.errors import FlashDPError, FlashDPWarning
 from flashdp.kernels import Backend
 from flashdp.kernels import backend as kernels_backend
@@ -97,9 +104,19 @@ class DPEngine:
         self._samples_since_step = 0
         self._recorder = Recorder(plan, self._timer.forward_started, keep_params=self._adapter.reshards_after_forward)
         self._provenance = GradientProvenance(model if trains else None)
-        self._detach = weakref.finalize(self, _detach, self._recorder, self._provenance, self._adapter, self._hooked)
+        # (under FSDP the registered parameters are not the ones autograd accumulates into)
+        watched = {} if self._adapter.reshards_after_forward else {p.name: p.param for p in plan.params}
+        self._grad_writes = GradWrites(watched)
+        self._detach = _Detacher(self._recorder, self._provenance, self._grad_writes, self._adapter, self._hooked)
+        if trains:
+            # a training engine lives until detach(): the model's hooks hold it, so dropping the returned engine
+            # (`flashdp.make_private(model, ...)` as a statement) never re-opens non-private training; model and
+            # engine are collected together, their hooks with them
+            self._recorder.owner = self
+        else:  # measuring only: dropping it removes its hooks
+            weakref.finalize(self, self._detach)
         self._strategies: dict[str, str] = {}
-        self._structures: set[tuple[int, ...]] = set()  # forward structures whose coverage was checked
+        self._structures: set[tuple] = set()  # forward structures (`_structure`) covered and verified
         self._backward_calls = 0
         self._last_self_check: int | None = None
         # the same on every rank: TP ranks must weight the losses alike, FSDP ranks run the same passes
@@ -151,7 +168,8 @@ class DPEngine:
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
         # an empty batch on one rank of several still runs every pass: the wrappers' collectives must match
         second_pass = self.settings.second_backward and self._adapter.second_backward
-        measured = self._measure(loss, calls, keep_graph=second_pass, keep_for_sum=not second_pass)
+        with self._grad_writes.refusing():
+            measured = self._measure(loss, calls, keep_graph=second_pass, keep_for_sum=not second_pass)
         norms, clip_norms_sq = measured.norms, measured.clip_norms_sq
         with torch.no_grad():
             coef = self._clip_coefficients(clip_norms_sq)
@@ -162,8 +180,10 @@ class DPEngine:
         del measured
         with self._timer.phase("second pass / bk sums"):
             if second_pass:
+                counted = [param.param for param, _ in norms]
                 del norms
-                (loss * (coef[0] * self._adapter.second_pass_scale).to(loss.dtype)).sum().backward()
+                with self._grad_writes.refusing(allowed=counted):
+                    (loss * (coef[0] * self._adapter.second_pass_scale).to(loss.dtype)).sum().backward()
             else:
                 with torch.no_grad(), kernels_backend(self.settings.backend):
                     for param, norm in norms:
@@ -204,7 +224,8 @@ class DPEngine:
         batch = loss.shape[0]
         if batch == 0:
             return {} if per_parameter else torch.zeros(0, dtype=torch.float32, device=loss.device)
-        measured = self._measure(loss, calls, keep_graph=True, keep_for_sum=False)
+        with self._grad_writes.refusing():
+            measured = self._measure(loss, calls, keep_graph=True, keep_for_sum=False)
         if per_parameter:
             return {param.name: norm.norm_sq.sqrt().float() for param, norm in measured.norms}
         return measured.clip_norms_sq.sum(0).sqrt().float()
@@ -251,13 +272,15 @@ class DPEngine:
     def _measure_checked(self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool) -> _Measured:
         batch = loss.shape[0]
         checking = self._self_check_due()
-        structure = tuple(id(call.module) for call in calls)
-        new_structure = structure not in self._structures
+        shapes = [_CallShape(call.module, call.output_meta) for call in calls]
+        new_structure = self._structure(shapes, batch) not in self._structures
         if checking or new_structure:
-            checking = self._cover_structure(loss, calls, batch, structure, checking)
-        # a new structure, and every self-check, verifies that every layer's output rows are per-sample
+            checking = self._cover_structure(loss, calls, batch, checking)
+        # a new structure, and every self-check, verifies that every layer's output rows are per-sample; every rank
+        # takes the same decisions (a rank with a batch of one runs the passes too: FSDP collectives)
         verify = (checking or new_structure) and self._adapter.second_backward
-        verify &= batch > 1 or self._adapter.world_size > 1  # every rank runs the pass (FSDP collectives)
+        verify &= batch > 1 or self._adapter.world_size > 1
+        verify, checking = map(bool, self._on_any_rank([verify, checking], loss.device))
         recorded = list(calls) if verify else []  # (scopes too: a layer verified not batch-first is covered again)
         keep = self._overflow_keep(keep_for_sum)
         while True:
@@ -270,7 +293,7 @@ class DPEngine:
                 break
             except _NotBatchFirst:  # its parameters move to an enclosing module's generic rule; verified again
                 calls = list(recorded)
-                checking = self._cover_structure(loss, calls, batch, structure, checking)
+                checking = self._cover_structure(loss, calls, batch, checking)
         del rule_calls, recorded  # (the collector releases each call once its gradients are in)
         plan = self._plan
         with torch.no_grad(), kernels_backend(self.settings.backend), self._timer.phase("norm computation"):
@@ -287,17 +310,38 @@ class DPEngine:
             skipped = nonfinite.nonfinite_samples(self.settings.nonfinite, clip_norms_sq, norms, self._adapter.dp_group)
             if checking:
                 self._check_per_sample(loss, norms, held, self_check.tolerance(dtypes), retain_graph=keep_graph)
+        if batch > 1:  # a batch of one decides no layout: every dim fits it, and its rows cannot be told apart
+            self._structures.update((self._structure(shapes, batch), self._structure(shapes, 1)))
         return _Measured(norms, clip_norms_sq, skipped)
 
-    def _cover_structure(
-        self, loss: Tensor, calls: list[Call], batch: int, structure: tuple[int, ...], checking: bool
-    ) -> bool:
-        """Cover this forward structure (`_cover`) and mark it covered; whether this backward runs the per-sample
-        check: a plan changed here is checked at once (`_plan_changed_check`)."""
+    def _cover_structure(self, loss: Tensor, calls: list[Call], batch: int, checking: bool) -> bool:
+        """Cover this forward structure (`_cover`); whether this backward runs the per-sample check: a plan changed
+        here is checked at once (`_plan_changed_check`)."""
         if self._cover(loss, calls, batch):
             checking = self._plan_changed_check()
-        self._structures.add(structure)
         return checking
+
+    def _structure(self, calls: list[_CallShape], batch: int) -> tuple:
+        """What a verified layout rests on: the modules called, in order, and for each output of a rule site's
+        call whether its size at the batch dim is a multiple of B (a batch, or B * k rows) or not (shared across
+        the batch, or mis-shaped). A step whose sizes fall the other way is a new structure, verified again. For a
+        batch of one (or none) only the modules: every layout gives its one sample all rows, so only what covers each
+        parameter's uses matters, and it is known once these modules were verified on a larger batch."""
+        if batch < 2:
+            return tuple(id(call.module) for call in calls)
+        return tuple(self._call_layout(call, batch) for call in calls)
+
+    def _call_layout(self, call: _CallShape, batch: int) -> tuple[int, tuple[bool, ...]]:
+        if self._plan.site(call.module).match is None:  # a scope: only encloses rule sites
+            return id(call.module), ()
+        dims = self._batch_dims(call)
+        return id(call.module), tuple(
+            _lacks_batch(m.shape, d, batch) for m, d in zip(call.output_meta, dims, strict=True)
+        )
+
+    def _on_any_rank(self, flags: list[bool], device: torch.device) -> list[int]:
+        """Each flag, set if it is set on any data-parallel rank: every rank takes the same decision."""
+        return highest_on_any_rank([int(f) for f in flags], self._adapter.dp_group, device)
 
     def _rule_calls(self, calls: list[Call]) -> list[Call]:
         """The calls of rule sites (scopes only enclose them), without the outputs their rules do not read."""
@@ -345,13 +389,30 @@ class DPEngine:
                 return collector
             with torch.no_grad():
                 failing = self._batch_independence(loss, calls, verifying)
-            if not failing:
-                if verifying.errors:
-                    raise verifying.errors[0]
+            found = self._learn_layout(loss, calls, failing, batch) if failing else _Found.VERIFIED
+            if found is _Found.VERIFIED and verifying.errors:
+                found = _Found.REFUSED
+            agreed = _Found(max(self._on_any_rank([found], loss.device)))
+            if agreed is _Found.VERIFIED:
                 return collector
-            if not self._learn_layout(loss, calls, failing, batch):
-                sites = [self._plan.site(c.module).label for c in calls]
-                raise self_check.batch_independence_error([sites[i] for i in failing], sites)
+            if agreed is _Found.NOT_BATCH_FIRST:
+                raise _NotBatchFirst
+            if agreed is _Found.REFUSED:
+                raise self._verification_error(calls, failing, verifying.errors, refused_here=found is agreed)
+
+    def _verification_error(
+        self, calls: list[Call], failing: list[int], errors: list[Exception], refused_here: bool
+    ) -> Exception:
+        """Why a verifying pass refuses: a rule's error once the layout is verified, layers whose rows are not
+        samples, or (on the other ranks: every rank stops together) another rank's refusal."""
+        if not refused_here:
+            return FlashDPError(
+                "Another rank refused this backward (its error names the cause); every rank stops together."
+            )
+        if not failing:
+            return errors[0]
+        sites = [self._plan.site(c.module).label for c in calls]
+        return self_check.batch_independence_error([sites[i] for i in failing], sites)
 
     def _overflow_keep(self, keep_for_sum: bool) -> dict[str, bool]:
         """What the collector keeps so that a float32 norm that overflows can be recomputed in float64: nothing in
@@ -514,27 +575,27 @@ class DPEngine:
     def _batch_dims(self, call: Call) -> tuple[int, ...]:
         return batch_dims(self._plan.site(call.module), call)
 
-    def _learn_layout(self, loss: Tensor, calls: list[Call], failing: list[int], batch: int) -> bool:
+    def _learn_layout(self, loss: Tensor, calls: list[Call], failing: list[int], batch: int) -> _Found:
         """Learn why calls' output rows were found not per-sample, to be verified again: outputs shared across the
         batch (their dims equal B by chance), position-wise layers with the batch in a later dim (time-major, T
-        equal to B by chance), and other layers whose dim 0 is not the batch (raises `_NotBatchFirst`: their
-        parameters are to be covered again). False where that cannot explain the failure: every layer fails (the
-        losses mix samples), or the layers were already known not batch-first."""
+        equal to B by chance), and other layers whose dim 0 is not the batch (NOT_BATCH_FIRST: their parameters
+        are to be covered again). REFUSED where that cannot explain the failure: every layer fails (the losses mix
+        samples), or the layers were already known not batch-first."""
         graph = broadcast.parents(loss)
         shared = {i for i in failing if any(broadcast.frontiers(edge, graph, batch) for edge in calls[i].edges)}
         time_major = {i: d for i in failing if i not in shared and (d := self._time_major_dim(calls[i], batch))}
         others = [i for i in failing if i not in shared and i not in time_major]
         if others and len(set(failing)) == len(calls):  # every layer fails: the losses mix samples
-            return False
+            return _Found.REFUSED
         if others and all(id(calls[i].module) in self._not_batch_first for i in others):  # known, not covered
-            return False
+            return _Found.REFUSED
         self._shared_sites.update(id(calls[i].module) for i in shared)
-        if time_major:  # (verified by the redone pass: the structure stays known)
+        if time_major:  # (verified by the redone pass)
             self._recorder.plan = self._plan.with_batch_dims({calls[i].module: d for i, d in time_major.items()})
         if others:  # (a time-major layer without a position-wise rule, whose T equals B)
             self._not_batch_first.update(id(calls[i].module) for i in others)
-            raise _NotBatchFirst
-        return True
+            return _Found.NOT_BATCH_FIRST
+        return _Found.RELEARNT
 
     def _graph_tensors(self, calls: list[Call]) -> dict[object, Tensor]:
         """Each trainable parameter as the forward used it (a wrapper may have swapped in another tensor)."""
@@ -718,8 +779,9 @@ class DPEngine:
     # -- lifecycle ----------------------------------------------------------------------------------------
 
     def detach(self) -> None:
-        """Remove every hook: the model is plain PyTorch again. The engine cannot clip after this. An engine that
-        is garbage-collected detaches itself."""
+        """Remove every hook: the model is plain PyTorch again. The engine cannot clip after this. Until then the
+        engine lives as long as the model, even where no reference to it is kept: dropping it leaves every
+        optimizer step over the model's trainable parameters refused."""
         self._detach()
 
     def __enter__(self) -> DPEngine:
@@ -732,6 +794,13 @@ class DPEngine:
         if not self._detach.alive:
             raise FlashDPError("This engine was detached; call flashdp.make_private(model, ...) again.")
         return self._recorder
+
+
+class _CallShape(NamedTuple):
+    """What a forward structure records of one call (not the call, whose tensors the norm pass frees)."""
+
+    module: nn.Module
+    output_meta: tuple
 
 
 @dataclass
@@ -754,8 +823,17 @@ class _Learnt(NamedTuple):
     plan: GradientPlan
     shared_sites: set[int]
     not_batch_first: set[int]
-    structures: set[tuple[int, ...]]
+    structures: set[tuple]
     last_self_check: int | None
+
+
+class _Found(enum.IntEnum):
+    """What a verifying norm pass found, ordered so that the ranks agree on the highest any of them found."""
+
+    VERIFIED = 0  # every layer's rows are per-sample
+    RELEARNT = 1  # shared or time-major layers learnt: the pass is redone
+    NOT_BATCH_FIRST = 2  # layers whose rows are not samples: their parameters are covered again
+    REFUSED = 3
 
 
 class _NotBatchFirst(Exception):
@@ -814,13 +892,29 @@ def _lacks_batch(shape: torch.Size, dim: int, batch: int) -> bool:
     return len(shape) <= dim or shape[dim] % batch != 0
 
 
-def _detach(recorder: Recorder, provenance: GradientProvenance, adapter: Adapter, modules: list[nn.Module]) -> None:
-    """Remove every hook the engine added and restore what it changed on a wrapper (no reference to the engine:
-    this also runs when the engine is garbage-collected)."""
-    recorder.remove()
-    provenance.remove()
-    adapter.detach()
-    guards.release(modules)
+class _Detacher:
+    """Removes every hook the engine added and restores what it changed on a wrapper, once (no reference to the
+    engine: it also runs when an engine that only measures is garbage-collected)."""
+
+    def __init__(
+        self, recorder: Recorder, provenance: GradientProvenance, writes: GradWrites, adapter: Adapter, modules: list
+    ) -> None:
+        self._parts: tuple | None = (recorder, provenance, writes, adapter, modules)
+
+    @property
+    def alive(self) -> bool:
+        return self._parts is not None
+
+    def __call__(self) -> None:
+        if self._parts is None:
+            return
+        recorder, provenance, writes, adapter, modules = self._parts
+        self._parts = None
+        recorder.remove()
+        provenance.remove()
+        writes.remove()
+        adapter.detach()
+        guards.release(modules)
 
 
 def make_private(

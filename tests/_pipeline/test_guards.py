@@ -4,6 +4,7 @@ attached, replaced parameters, a second backward on one forward, an engine dropp
 import copy
 import gc
 import io
+import weakref
 
 import pytest
 import torch
@@ -32,12 +33,24 @@ def test_a_second_engine_on_the_same_model_is_refused_until_the_first_detaches()
     _engine(model).detach()
 
 
-def test_an_engine_dropped_without_detach_removes_its_hooks():
+def test_an_engine_dropped_without_detach_stays_attached_until_the_model_goes():
     model = _mlp()
-    _engine(model)  # never detached
+    _engine(model)  # never kept, never detached: the model's hooks keep it
+    gc.collect()
+    assert any(m._forward_hooks for m in model.modules())
+    with pytest.raises(FlashDPError, match=r"Another engine is attached to this model"):
+        _engine(model)
+    probe = weakref.ref(model)
+    del model
+    gc.collect()  # model and engine go together, as a garbage cycle
+    assert probe() is None
+
+
+def test_per_sample_norms_dropped_without_detach_remove_their_hooks():
+    model = _mlp()
+    flashdp.PerSampleNorms(model)  # measures only: nothing to guard once dropped
     gc.collect()
     assert not any(m._forward_hooks for m in model.modules())
-    _engine(model).detach()
 
 
 @pytest.mark.parametrize("save", [copy.deepcopy, lambda m: torch.save(m, io.BytesIO())], ids=["deepcopy", "save"])

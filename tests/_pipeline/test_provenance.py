@@ -42,8 +42,22 @@ def test_an_opacus_style_loop_with_an_optimizer_not_given_to_make_private_is_ref
     with pytest.raises(FlashDPError, match=r"directly after make_private, on an optimizer holding 2 of the model's"):
         optimizer.step()
     del engine
-    gc.collect()  # an engine dropped without detach takes its hook with it
-    optimizer.step()
+    gc.collect()  # a dropped engine lives until detach(): the step stays refused
+    with pytest.raises(FlashDPError, match=r"directly after make_private"):
+        optimizer.step()
+
+
+def test_make_private_as_a_statement_keeps_the_model_private():
+    """The engine returned by make_private is not kept (an Opacus habit): plain training stays refused."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    flashdp.make_private(model, optimizer=optimizer, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    gc.collect()
+    before = [p.detach().clone() for p in model.parameters()]
+    _loss(model).mean().backward()
+    with pytest.raises(FlashDPError, match=r"directly after make_private"):
+        optimizer.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
 
 
 def test_an_optimizer_over_another_model_steps_freely():

@@ -42,12 +42,13 @@ class AdapterSuite:
 
     @pytest.mark.parametrize("mode", ["bk", "ghost"])
     def test_backward_runs_only_the_gradient_collectives_of_its_clipped_sums(self, mode):
-        """The norm pass syncs nothing. Then one all-reduce of one flag, so that every rank stops together when a
-        sample's gradient is not finite. The clipped sums: under DDP reduced at step(); under FSDP2 one
-        reduce-scatter per unit (bk: flashdp's, ghost: FSDP2's own in the second backward); under FSDP1 (one
-        backward in every mode) one reduce-scatter per unit."""
+        """One all-reduce of the decisions every rank must share (verify, self-check). The norm pass syncs
+        nothing. Then one all-reduce of one flag, so that every rank stops together when a sample's gradient is not
+        finite. The clipped sums: under DDP reduced at step(); under FSDP2 one reduce-scatter per unit (bk:
+        flashdp's, ghost: FSDP2's own in the second backward); under FSDP1 (one backward in every mode) one
+        reduce-scatter per unit."""
         for rank in run(workloads.count_backward_collectives, self.wrapper, mode):
-            expected = 1 + {"ddp": 0, "fsdp2": rank["fsdp2_units"]}.get(self.wrapper, rank["fsdp1_units"])
+            expected = 2 + {"ddp": 0, "fsdp2": rank["fsdp2_units"]}.get(self.wrapper, rank["fsdp1_units"])
             assert len(rank["gradient_collectives"]) == expected, rank["gradient_collectives"]
 
 

@@ -39,6 +39,8 @@ class GradientProvenance:
         self._stepping = False
         self._guarded = weakref.ref(guarded) if guarded is not None else None
         self._hook = register_optimizer_step_pre_hook(self._refuse_foreign_step) if guarded is not None else None
+        if self._hook is not None:  # (a model collected without detach takes the global hook with it)
+            weakref.finalize(guarded, self._hook.remove)
 
     def check_before_backward(self, gradients: Gradients) -> None:
         foreign = self._foreign(gradients)

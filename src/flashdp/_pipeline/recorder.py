@@ -127,6 +127,8 @@ class Recorder:
     def __init__(self, plan: GradientPlan, on_call: Callable[[], None] = lambda: None, keep_params: bool = False):
         self.plan = plan
         self.calls: list[Call] = []
+        #: what the model's hooks keep alive with the recorder (a training engine: it lives until detached)
+        self.owner: object | None = None
         self._on_call = on_call
         self._keep_params = keep_params
         self._paused = False
@@ -223,6 +225,7 @@ class Recorder:
             handle.remove()
         self._handles = []
         self.calls = []
+        self.owner = None
 
 
 class _Hook:
@@ -312,11 +315,57 @@ def _scale_of_its_rule(site: Site, inputs: tuple, output: object) -> float | Non
     """For a module matched by duck typing, or overriding its class's forward: the constant c with output =
     c * (its rule's forward) (1 when it computes exactly that; e.g. sqrt(d) for Gemma's scaled embedding), or
     None when it computes something else. Checked on its first call, while its parameters are as the call saw
-    them."""
+    them, and again on parameters and inputs of its own drawing: a match that holds only for the current values
+    (`(1 + w) * x_hat` is twice `w * x_hat` while w = 1) is no match."""
     try:
         expected = site.match.verify_with(site.module, inputs)
     except Exception:  # a forward with another signature or input type: not the rule's function
         return None
+    scale = _scale_between(output, expected)
+    if scale is None:
+        return None
+    try:
+        probed, probe_expected = _on_probe_values(site, inputs)
+    except Exception:  # its forward fails on other values: not the rule's function
+        return None
+    probe_scale = _scale_between(probed, probe_expected)
+    if probe_scale is None or abs(probe_scale - scale) > _FORWARD_CHECK_TOLERANCE[torch.float64] * abs(scale):
+        return None
+    return scale
+
+
+def _on_probe_values(site: Site, inputs: tuple) -> tuple[object, object]:
+    """The module's forward and its rule's reference forward in float64, on random trainable parameters and random
+    floating inputs (integer inputs such as token ids kept), without hooks and without touching the module."""
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(t: Tensor) -> Tensor:
+        return torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.device)
+
+    probe_inputs = tuple(draw(x) if isinstance(x, Tensor) and x.is_floating_point() else x for x in inputs)
+    holder = _Probe(site.module, site.match.verify_with)
+    values = {f"module.{name}": draw(attribute(site.module, name)) for name in site.trainable}
+    values |= {
+        f"module.{n}": t.double()
+        for n, t in _tensors_of(site.module)
+        if n not in site.trainable and t.is_floating_point()
+    }
+    return torch.func.functional_call(holder, values, probe_inputs)
+
+
+class _Probe(nn.Module):
+    """Runs a module's own forward (no hooks) and its rule's reference forward on the same parameters."""
+
+    def __init__(self, module: nn.Module, reference: Callable) -> None:
+        super().__init__()
+        self.module, self.reference = module, reference
+
+    def forward(self, *inputs: object) -> tuple[object, object]:
+        return self.module.forward(*inputs), self.reference(self.module, inputs)
+
+
+def _scale_between(output: object, expected: object) -> float | None:
+    """The constant c with output = c * expected, within the forward check's tolerance, or None."""
     if not isinstance(output, Tensor) or not isinstance(expected, Tensor) or expected.shape != output.shape:
         return None
     out, ref = output.double(), expected.double()

@@ -60,3 +60,16 @@ def check_global_batch(expected_batch_size: int, local_samples: int, group: dist
             f"expected_batch_size={expected_batch_size}: it looks per-rank. expected_batch_size is the GLOBAL "
             f"logical batch (all ranks, all micro-batches of a step), e.g. {world} x your per-rank batch."
         )
+
+
+def highest_on_any_rank(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
+    """Each of `values`, the highest any rank of `group` holds (one small all-reduce; as given with no group).
+    Ranks must take the same decisions (verify or not, redo a pass or not, refuse or not): a pass one rank runs
+    alone hangs the others in its collectives, and a layout one rank learns alone is wrong on the others."""
+    if group is None:
+        return values
+    flags = torch.tensor(values, dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        flags = flags.to(device if device.type == "cuda" else torch.device("cuda"))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return flags.tolist()

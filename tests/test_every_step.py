@@ -1,0 +1,219 @@
+"""Nothing learnt on one backward is trusted beyond its evidence: every step of a sequence whose batch shapes change
+(a batch of one first, B == T, T a multiple of B) is exact against the float64 oracle, or refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn.utils import parametrizations
+
+import flashdp
+from flashdp import FlashDPError
+from tests.steps import check_steps
+
+MODES = ["bk", "ghost"]
+
+
+def _rows(x, i):
+    return x[i : i + 1]
+
+
+def _time_major_rows(x, i):
+    return x[:, i : i + 1]
+
+
+def _sum_loss(model, x):
+    out = model(x)
+    return (out.tanh() + out).square().flatten(1).sum(1)
+
+
+class TimeMajorLinear(nn.Module):
+    """A Linear called on `[T, B, d]`: its dim 0 is time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.linear(x).transpose(0, 1)
+
+
+class TimeMajorEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(7, 3)
+
+    def forward(self, ids):  # ids [T, B]
+        return self.embedding(ids).transpose(0, 1)
+
+
+class MixesSamples(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        out = self.linear(x)
+        return out - out.mean(0, keepdim=True)
+
+
+def _mlp_with(parametrize) -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    parametrize(model[0])
+    return model
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("model_of", [TimeMajorLinear, TimeMajorEmbedding], ids=["linear", "embedding"])
+def test_a_time_major_layout_after_a_batch_of_one_is_learnt_on_the_next_batch(model_of, mode):
+    """A batch of one fits every dim: nothing is learnt from it, and the layout is verified on the next step."""
+    model = model_of().double()
+    if model_of is TimeMajorEmbedding:
+        batches = [torch.randint(0, 7, (2, b)) for b in (1, 2, 3, 2)]
+    else:
+        batches = [torch.randn(2, b, 4, dtype=torch.float64) for b in (1, 2, 3, 2)]
+    check_steps(model, batches, _sum_loss, _time_major_rows, [1, 2, 3, 2], mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "parametrize", [parametrizations.weight_norm, parametrizations.spectral_norm], ids=["weight_norm", "spectral_norm"]
+)
+def test_parametrized_layers_stay_exact_when_the_batch_size_changes(parametrize, mode):
+    torch.manual_seed(0)
+    model = _mlp_with(parametrize).double().eval()  # (spectral_norm's power iteration would differ in the oracle)
+    batches = [torch.randn(b, 4, dtype=torch.float64) for b in (1, 3, 5, 2)]
+    check_steps(model, batches, _sum_loss, _rows, [1, 3, 5, 2], mode=mode)
+
+
+@pytest.mark.parametrize("self_check", [None, 200])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_mixing_samples_is_refused_on_the_first_batch_that_can_show_it(mode, self_check):
+    model = MixesSamples().double()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=self_check)
+    engine.backward(_sum_loss(model, torch.randn(1, 4, dtype=torch.float64)))  # one sample: mixes nothing
+    with pytest.raises(FlashDPError, match="not separable by sample"):
+        engine.backward(_sum_loss(model, torch.randn(3, 4, dtype=torch.float64)))
+    engine.detach()
+
+
+class LayerNorm1P(nn.LayerNorm):
+    """HF Nemotron's LayerNorm1P: `(1 + weight) * x_hat + bias`, twice nn.LayerNorm's output while weight = 1."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forward_matching_its_rule_only_at_the_current_weights_is_not_accepted(mode):
+    model = nn.Sequential(nn.Linear(4, 6), LayerNorm1P(6), nn.Linear(6, 2)).double()
+    batches = [torch.randn(b, 4, dtype=torch.float64) for b in (3, 2)]
+    check_steps(model, batches, _sum_loss, _rows, [3, 2], mode=mode, self_check=None)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Gemma-style: a constant times nn.Embedding's output whatever the weights, which its rule takes as a scale."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 3.0
+
+
+def test_a_forward_that_is_a_constant_times_its_rule_keeps_the_rule():
+    model = nn.Sequential(ScaledEmbedding(7, 4), nn.Linear(4, 2)).double()
+    batches = [torch.randint(0, 7, (b, 3)) for b in (3, 2)]
+    check_steps(model, batches, _sum_loss, _rows, [3, 2], self_check=None)
+
+
+class _WritesItsOwnGradients(torch.autograd.Function):
+    """HF Reformer's mechanism: the backward recomputes a layer and calls `.backward()` on it itself."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            ctx.layer(x).backward(grad)
+        return x.grad, None
+
+
+class Reversible(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.inner, self.last = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.last(_WritesItsOwnGradients.apply(self.first(x), self.inner))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_gradient_written_outside_the_graph_is_refused_and_removed(mode):
+    torch.manual_seed(0)
+    model = Reversible().double()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(
+        FlashDPError, match=r"wrote to the \.grad of 'inner\.bias', 'inner\.weight'.*autograd\.Function"
+    ):
+        engine.backward(_sum_loss(model, x))
+    assert all(p.grad is None for p in model.parameters())
+    engine.detach()
+
+
+def test_a_gradient_written_outside_the_graph_leaves_earlier_micro_batches_as_they_were():
+    model = Reversible().double()
+    engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0)
+    model.inner.weight.grad = torch.ones_like(model.inner.weight)
+    before = model.inner.weight.grad.clone()
+    with pytest.raises(FlashDPError, match="something other than flashdp wrote"):
+        engine.per_sample_norms(_sum_loss(model, torch.randn(2, 4, dtype=torch.float64)))
+    torch.testing.assert_close(model.inner.weight.grad, before, rtol=0, atol=0)
+    engine.detach()
+
+
+def test_ordinary_training_after_detach_is_not_watched():
+    model = Reversible().double()
+    flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0).detach()
+    _sum_loss(model, torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    assert model.inner.weight.grad is not None
+
+
+class Mixed(nn.Module):
+    """A batch-first Linear and a time-major one (`[T, B, d]`, T = 4) in one model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 4)
+        self.time = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):  # x [B, T, 3]
+        h = self.embed(x).tanh()
+        h = self.time(h.transpose(0, 1)).transpose(0, 1)
+        return self.head(h)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.sampled_from([1, 1, 2, 3, 4, 5]), min_size=3, max_size=6),
+    mode=st.sampled_from(MODES),
+    self_check=st.sampled_from([None, 3]),
+)
+def test_every_step_of_a_sequence_of_batch_shapes_is_exact(sizes, mode, self_check):
+    """Batch sizes include 1, B == T (4) and T a multiple of B (1, 2, 4), with batch-first and time-major layers."""
+    torch.manual_seed(len(sizes))
+    model = Mixed().double()
+    batches = [torch.randn(b, 4, 3, dtype=torch.float64) for b in sizes]
+    check_steps(copy.deepcopy(model), batches, _sum_loss, _rows, sizes, mode=mode, self_check=self_check)

@@ -217,3 +217,42 @@ def test_every_step_of_a_sequence_of_batch_shapes_is_exact(sizes, mode, self_che
     model = Mixed().double()
     batches = [torch.randn(b, 4, 3, dtype=torch.float64) for b in sizes]
     check_steps(copy.deepcopy(model), batches, _sum_loss, _rows, sizes, mode=mode, self_check=self_check)
+
+
+class PackedLoop(nn.Module):
+    """Opacus' DPGRU on a PackedSequence, reduced: a cell called once per time step on the samples still running
+    (longest first), the outputs written time-major into `[T, B, H]`. Where one sample is left, the call has one
+    row; with T == B its write into `[T, B, H]` looks, by shape, like a row broadcast over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.Linear(3 + 4, 4)
+
+    def forward(self, batch):
+        x, lengths = batch  # x [B, T, 3], lengths sorted longest first
+        h = x.new_zeros(x.shape[0], 4)
+        out = x.new_zeros(x.shape[1], x.shape[0], 4)
+        for t in range(x.shape[1]):
+            n = int((lengths > t).sum())
+            h_t = torch.tanh(self.cell(torch.cat([x[:n, t], h[:n]], 1)))
+            out[t, :n] = h_t
+            h = torch.cat([h_t, h[n:]])
+        return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("self_check", [None, 200])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_one_row_call_of_one_sample_is_not_taken_for_a_row_shared_by_the_batch(mode, self_check):
+    torch.manual_seed(0)
+    model = PackedLoop().double()
+    batches = [(torch.randn(2, 2, 3, dtype=torch.float64), torch.tensor([2, 1]))]
+    batches.append((torch.randn(3, 3, 3, dtype=torch.float64), torch.tensor([3, 2, 1])))
+
+    def sample(batch, i):
+        x, lengths = batch
+        return x[i : i + 1, : lengths[i]], lengths[i : i + 1]
+
+    try:
+        check_steps(model, batches, _sum_loss, sample, [2, 3], mode=mode, self_check=self_check)
+    except FlashDPError as error:  # exact, or refused: never a wrong number
+        assert "per-sample gradients for '<root>'" in str(error)

@@ -280,7 +280,10 @@ class DPEngine:
         # takes the same decisions (a rank with a batch of one runs the passes too: FSDP collectives)
         verify = (checking or new_structure) and self._adapter.second_backward
         verify &= batch > 1 or self._adapter.world_size > 1
-        verify, checking = map(bool, self._on_any_rank([verify, checking], loss.device))
+        unverifiable = self._unverifiable(shapes, batch) if new_structure and not self._adapter.second_backward else []
+        verify, checking, refuse = map(bool, self._on_any_rank([verify, checking, bool(unverifiable)], loss.device))
+        if refuse:
+            raise _unverifiable_error(unverifiable)
         recorded = list(calls) if verify else []  # (scopes too: a layer verified not batch-first is covered again)
         keep = self._overflow_keep(keep_for_sum)
         while True:
@@ -338,6 +341,22 @@ class DPEngine:
         return id(call.module), tuple(
             _lacks_batch(m.shape, d, batch) for m, d in zip(call.output_meta, dims, strict=True)
         )
+
+    def _unverifiable(self, calls: list[_CallShape], batch: int) -> list[tuple[str, torch.Size, list[int]]]:
+        """Under a wrapper that cannot run a verifying pass (FSDP1), where sizes alone cannot tell the batch dim: the
+        calls with B in more than one dim before the features (label, output shape, those dims)."""
+        found = []
+        for call in calls:
+            site = self._plan.site(call.module)
+            if batch < 2 or site.match is None:
+                continue
+            for meta, dim in zip(call.output_meta, self._batch_dims(call), strict=True):
+                dims = {d for d in range(len(meta.shape) - 1) if meta.shape[d] == batch}
+                if not _lacks_batch(meta.shape, dim, batch):
+                    dims.add(dim)
+                if len(dims) > 1:
+                    found.append((site.label, meta.shape, sorted(dims)))
+        return found
 
     def _on_any_rank(self, flags: list[bool], device: torch.device) -> list[int]:
         """Each flag, set if it is set on any data-parallel rank: every rank takes the same decision."""
@@ -885,6 +904,22 @@ def _group_norms_sq(norms: list[tuple[TrainableParam, ParamNorm]], groups: int, 
     for param, norm in norms:
         total[param.clip_group] += norm.norm_sq.to(total.dtype)
     return total
+
+
+def _unverifiable_error(found: list[tuple[str, torch.Size, list[int]]]) -> FlashDPError:
+    if not found:
+        return FlashDPError(
+            "Another rank refused this backward (its error names the cause); every rank stops together."
+        )
+    label, shape, dims = found[0]
+    more = f" (and {len(found) - 1} more layers)" if len(found) > 1 else ""
+    return FlashDPError(
+        f"Under FSDP1, which cannot run flashdp's verifying pass, a layer's batch dim is told by size alone, and the "
+        f"output of layer {label}, of shape {tuple(shape)}, has this rank's batch size in dims {dims}{more}: the batch "
+        "could be any of them (batch-first [B, T, ...], or time-major [T, B, ...] with T equal to B). Nothing was "
+        "added to .grad. Use FSDP2 (fully_shard) or DDP, where flashdp verifies the layout; or give every rank a "
+        "batch size that differs from these dims' sizes (e.g. pad the sequence to another length)."
+    )
 
 
 def _lacks_batch(shape: torch.Size, dim: int, batch: int) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,8 +31,19 @@ def _worker(rank: int, fn: Callable, out: str, args: tuple) -> None:
     os._exit(0)
 
 
+#: seconds a run may take before its ranks are killed: a rank waiting in a collective the other never joins
+#: fails the test instead of hanging the suite
+TIMEOUT = 180.0
+
+
 def run(fn: Callable, *args) -> list:
     """`fn(rank, *args)` on each of 2 ranks; returns their results in rank order."""
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(fn, out, args), nprocs=WORLD, join=True)
+        context = mp.start_processes(_worker, args=(fn, out, args), nprocs=WORLD, join=False, start_method="spawn")
+        deadline = time.monotonic() + TIMEOUT
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"{fn.__name__} did not finish on {WORLD} ranks in {TIMEOUT:.0f} s: a rank hangs")
         return [torch.load(Path(out) / f"{r}.pt", weights_only=False) for r in range(WORLD)]

@@ -35,6 +35,23 @@ class AdapterSuite:
             for got, expected in zip(rank["params"], model.parameters(), strict=True):
                 torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)
 
+    @pytest.mark.parametrize("mode", ["bk", "ghost"])
+    def test_steps_whose_batches_change_are_exact_or_refused_on_every_rank(self, mode):
+        """Rank 0 has a batch of one, then B == T, with a time-major layer: it must not trust what it could not
+        learn from its batch of one. FSDP1 cannot verify a layout, so B == T is refused, on every rank at once."""
+        ranks = run(workloads.rank_steps_with_changing_batches, self.wrapper, mode)
+        if self.wrapper.startswith("fsdp1"):
+            assert "Under FSDP1, which cannot run flashdp's verifying pass" in ranks[0]["error"]
+            assert "Another rank refused" in ranks[1]["error"]
+            return
+        expected_norms, expected_params = workloads.single_process_steps(mode)
+        for step, expected in enumerate(expected_norms):
+            got = torch.cat([rank["norms"][step] for rank in ranks])
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m, s=step: f"step {s}: {m}")
+        for rank in ranks:
+            for got, expected in zip(rank["params"], expected_params, strict=True):
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
     def test_a_nan_gradient_on_one_rank_stops_every_rank(self):
         said = run(workloads.rank_with_a_nan_gradient, self.wrapper, "bk")
         assert "sample 2 is not finite" in said[1]
@@ -42,13 +59,16 @@ class AdapterSuite:
 
     @pytest.mark.parametrize("mode", ["bk", "ghost"])
     def test_backward_runs_only_the_gradient_collectives_of_its_clipped_sums(self, mode):
-        """One all-reduce of the decisions every rank must share (verify, self-check). The norm pass syncs
-        nothing. Then one all-reduce of one flag, so that every rank stops together when a sample's gradient is not
-        finite. The clipped sums: under DDP reduced at step(); under FSDP2 one reduce-scatter per unit (bk:
-        flashdp's, ghost: FSDP2's own in the second backward); under FSDP1 (one backward in every mode) one
-        reduce-scatter per unit."""
+        """One all-reduce of the decisions every rank must share (verify, self-check); this first backward
+        verifies the layout (not under FSDP1, which cannot), and one more all-reduce agrees on what it found. The
+        norm pass syncs nothing else. Then one all-reduce of one flag, so that every rank stops together when a
+        sample's gradient is not finite. The clipped sums: under DDP reduced at step(); under FSDP2 one
+        reduce-scatter per unit (bk: flashdp's, ghost: FSDP2's own in the second backward); under FSDP1 (one
+        backward in every mode) one reduce-scatter per unit."""
+        verifies = not self.wrapper.startswith("fsdp1")
         for rank in run(workloads.count_backward_collectives, self.wrapper, mode):
-            expected = 2 + {"ddp": 0, "fsdp2": rank["fsdp2_units"]}.get(self.wrapper, rank["fsdp1_units"])
+            sums = {"ddp": 0, "fsdp2": rank["fsdp2_units"]}.get(self.wrapper, rank["fsdp1_units"])
+            expected = 2 + verifies + sums
             assert len(rank["gradient_collectives"]) == expected, rank["gradient_collectives"]
 
 

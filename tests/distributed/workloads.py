@@ -172,3 +172,48 @@ def rank_with_a_batch_as_long_as_the_sequence(rank: int, wrapper: str, mode: str
     wrapped = wrap(model, wrapper)
     norms = train(model, wrapped, ids, mode, 0.0, micro=BATCH)
     return {"norms": norms, "params": full_params(wrapped)}
+
+
+#: per step, the batch sizes of ranks 0 and 1: a batch of one first, then B == T = 4 on rank 0
+STEP_SIZES = [(1, 3), (4, 3), (2, 4)]
+STEP_LENGTH = 4
+
+
+def step_batches() -> list[torch.Tensor]:
+    """The union batch of each step of STEP_SIZES (rank 0's samples first), sequences of STEP_LENGTH tokens."""
+    generator = torch.Generator().manual_seed(2)
+    return [torch.randint(0, 11, (sum(sizes), STEP_LENGTH), generator=generator) for sizes in STEP_SIZES]
+
+
+def _train_steps(wrapped: nn.Module, mode: str, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    engine = flashdp.make_private(
+        wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=0.0, optimizer=optimizer,
+        expected_batch_size=BATCH, sample_rate=0.1,
+    )  # fmt: skip
+    norms = []
+    for ids in batches:
+        norms.append(engine.backward(per_sample_loss(wrapped, ids)))
+        engine.step()
+    engine.detach()
+    return norms
+
+
+def rank_steps_with_changing_batches(rank: int, wrapper: str, mode: str) -> dict:
+    """STEP_SIZES on a model with a time-major Linear: rank 0 learns nothing from its batch of one, then meets
+    B == T. Each rank's norms per step and the final parameters, or the error its backward raised."""
+    mine = [
+        ids[: sizes[0]] if rank == 0 else ids[sizes[0] :] for ids, sizes in zip(step_batches(), STEP_SIZES, strict=True)
+    ]
+    wrapped = wrap(build_time_major_model(), wrapper)
+    try:
+        norms = _train_steps(wrapped, mode, mine)
+    except flashdp.FlashDPError as error:
+        return {"error": str(error)}
+    return {"norms": norms, "params": full_params(wrapped)}
+
+
+def single_process_steps(mode: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    model = build_time_major_model()
+    norms = _train_steps(model, mode, step_batches())
+    return norms, [p.detach().clone() for p in model.parameters()]

@@ -165,7 +165,9 @@ def test_checkpoint_and_resume_equal_an_uninterrupted_run():
 
 def test_resume_with_other_settings_is_refused():
     model = nn.Sequential(nn.Linear(2, 2))
-    state = _engine(model).state_dict()
+    first = _engine(model)
+    state = first.state_dict()
+    first.detach()  # (an engine lives until detached)
     with pytest.raises(FlashDPError, match=r"checkpoint has noise_multiplier=1\.0, this engine 2\.0"):
         _engine(model, noise_multiplier=2.0).load_state_dict(state)
 

@@ -96,13 +96,16 @@ def frontiers(edge: GradientEdge, graph: dict[Node, list[tuple[Node, int]]], bat
 def _introduces_batch(ours: torch.Size, theirs: torch.Size, batch: int) -> bool:
     """Whether `theirs` is `ours` broadcast to the batch: aligned to the right, every dim of ours equal to theirs
     or 1, and theirs' dim 0 the batch where ours has no dim or one of size 1. (A reshape of B * T rows into
-    [B, T] is no broadcast: its dims do not align.)"""
+    [B, T] is no broadcast: its dims do not align.) Only where dim 0 is the one dim of size B that ours lacks:
+    a row `[1, H]` written into a time-major `[T, B, H]` with T == B (a packed RNN's last steps) is one sample's,
+    not shared, and sizes alone cannot tell which of the two dims is the batch."""
     if len(theirs) == 0 or theirs[0] != batch or len(ours) > len(theirs):
         return False
-    aligned = theirs[len(theirs) - len(ours) :]
-    if any(o not in (1, t) for o, t in zip(ours, aligned, strict=True)):
+    offset = len(theirs) - len(ours)
+    if any(o not in (1, t) for o, t in zip(ours, theirs[offset:], strict=True)):
         return False
-    return len(ours) < len(theirs) or ours[0] == 1
+    grown = [d for d in range(len(theirs)) if d < offset or (ours[d - offset] == 1 and theirs[d] != 1)]
+    return 0 in grown and sum(theirs[d] == batch for d in grown) == 1
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from tests.conftest import MODES
 from tests.hf import zoo
 from tests.hf.zoo import CASES, PEFT_CASES, B
 from tests.oracle import check_against_oracle
+from tests.steps import check_steps
 
 ALL = CASES | {f"peft_{name}": case for name, case in PEFT_CASES.items()}
 
@@ -56,3 +57,19 @@ def test_a_batch_as_long_as_the_sequence_is_exact(name, mode, monkeypatch):
     case = CASES[name]()
     model = case.build().to(case.dtype).eval()
     check_against_oracle(model, lambda s: case.loss(model, s), zoo.T, mode=mode, rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("name", ["t5", "xlnet", "whisper", "gpt2", *sorted(zoo.STEP_CASES)])
+def test_a_first_batch_of_one_teaches_the_next_batches_nothing(name, mode, monkeypatch):
+    """A batch of one (Poisson sampling draws them) fits every layout: nothing it shows may be trusted on the
+    batches of 3 and 2 that follow (T5's relative bias, XLNet's `[T, B, d]`, parametrized convolutions), here
+    with T = 6 a multiple of B = 3."""
+    monkeypatch.setattr(zoo, "T", 6)
+    case = (CASES | zoo.STEP_CASES)[name]()
+    model = case.build().to(case.dtype).eval()
+    steps = [slice(0, 1), slice(0, B), slice(1, B)]
+    check_steps(
+        model, steps, case.loss, lambda rows, i: slice(rows.start + i, rows.start + i + 1), [1, B, B - 1], mode=mode
+    )

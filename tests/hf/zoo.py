@@ -197,3 +197,32 @@ def _peft(name: str) -> Case:
 PEFT_CASES: dict[str, Callable[[], Case]] = {
     name: lambda name=name: _peft(name) for name in ("lora", "dora", "prompt_tuning")
 }
+
+
+def _audio(config_class, model_class) -> Case:
+    """wav2vec2-style: raw audio through a convolutional feature encoder and a positional convolution (under
+    weight_norm, a torch parametrization)."""
+    wave = torch.randn(B, 400, generator=torch.Generator().manual_seed(0))
+    config = config_class(
+        num_labels=3, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
+        conv_dim=(8, 8), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, feat_proj_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, final_dropout=0.0,
+        **DROPOUT_FREE,
+    )  # fmt: skip
+    return Case(
+        lambda: model_class(config),
+        lambda m, s: classification_loss(m(input_values=wave[s].to(m.dtype)).logits, LABELS[s]),
+    )
+
+
+#: more architectures whose learnt layouts, shared outputs or parametrizations depend on the batch shape; tested
+#: over step sequences (tests/hf/test_zoo.py)
+STEP_CASES: dict[str, Callable[[], Case]] = {
+    "umt5": lambda: _seq2seq(tf.UMT5Config, tf.UMT5ForConditionalGeneration, d_model=8, d_kv=4, d_ff=12,
+                             num_layers=2, num_heads=2, dropout_rate=0.0, decoder_start_token_id=0),
+    "mpnet": lambda: classifier(tf.MPNetConfig, tf.MPNetForSequenceClassification, **ENCODER),
+    "longformer": lambda: classifier(tf.LongformerConfig, tf.LongformerForSequenceClassification, attention_window=4,
+                                     pad_token_id=1, **ENCODER | {"max_position_embeddings": 20}),
+    "wav2vec2": lambda: _audio(tf.Wav2Vec2Config, tf.Wav2Vec2ForSequenceClassification),
+    "hubert": lambda: _audio(tf.HubertConfig, tf.HubertForSequenceClassification),
+}  # fmt: skip

@@ -256,3 +256,28 @@ def test_a_one_row_call_of_one_sample_is_not_taken_for_a_row_shared_by_the_batch
         check_steps(model, batches, _sum_loss, sample, [2, 3], mode=mode, self_check=self_check)
     except FlashDPError as error:  # exact, or refused: never a wrong number
         assert "per-sample gradients for '<root>'" in str(error)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rule_refused_in_the_forward_stays_refused_after_a_failed_backward(mode):
+    """The forward finds LayerNorm1P is not nn.LayerNorm's function; a backward that fails (a loss mixing samples)
+    drops what it learnt, but not what the forward checked on its own values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), LayerNorm1P(6), nn.Linear(6, 2)).double()
+    nn.init.normal_(model[1].weight)
+    reference = copy.deepcopy(model)
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1e6, noise_multiplier=0.0, self_check=None)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    out = model(x)
+    with pytest.raises(FlashDPError, match="not separable by sample"):
+        engine.backward((out - out.mean(0)).square().sum(1))
+    model.zero_grad()
+    norms = engine.backward(_sum_loss(model, x))
+    engine.detach()
+    expected = [
+        torch.cat(
+            [g.flatten() for g in torch.autograd.grad(_sum_loss(reference, x[i : i + 1])[0], reference.parameters())]
+        )
+        for i in range(3)
+    ]
+    torch.testing.assert_close(norms.double(), torch.stack(expected).norm(dim=1), rtol=1e-6, atol=1e-8)

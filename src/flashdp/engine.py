@@ -24,6 +24,7 @@ from flashdp._pipeline import broadcast, coverage, guards, nonfinite, self_check
 from flashdp._pipeline.clipping import Clipping, clip_coefficients
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
 from flashdp._pipeline.grad_writes import GradWrites
+from flashdp._pipeline.knowledge import Knowledge
 from flashdp._pipeline.norm_pass import batch_dims, stream_output_gradients
 from flashdp._pipeline.param_grad import ParamNorm, StrategyChoice
 from flashdp._pipeline.params import TrainableParam
@@ -116,23 +117,26 @@ class DPEngine:
         else:  # measuring only: dropping it removes its hooks
             weakref.finalize(self, self._detach)
         self._strategies: dict[str, str] = {}
-        self._structures: set[tuple] = set()  # forward structures (`_structure`) covered and verified
+        #: what the engine trusts about the model, and why (committed by a backward that succeeds)
+        self._known = Knowledge(plan)
         self._backward_calls = 0
-        self._last_self_check: int | None = None
         # the same on every rank: TP ranks must weight the losses alike, FSDP ranks run the same passes
         self._check_generator = torch.Generator().manual_seed(0)
         self._last_loss_node: int | None = None
-        self._shared_sites: set[int] = set()  # modules whose outputs are shared across the batch
-        self._not_batch_first: set[int] = set()  # modules verified to give outputs whose dim 0 is not the batch
         self._skipped_samples = 0
         #: called by step() once the clipped sums are in .grad, before the noise (the canary audit adds its own)
         self._before_noise: list[Callable[[], None]] = []
 
     @property
     def _plan(self) -> GradientPlan:
-        """Which rule counts each parameter. The recorder owns it: a module found in the forward not to compute
-        what its registered rule assumes is moved to the generic rule there."""
-        return self._recorder.plan
+        """Which rule counts each parameter (`Knowledge.plan`)."""
+        return self._known.plan
+
+    def _learn(self, known: Knowledge) -> None:
+        """Trust `known` from now on (within a backward: until `_measure` drops what a failed one learnt); the
+        recorder records the next forward under its plan."""
+        self._known = known
+        self._recorder.plan = known.plan
 
     @property
     def mode(self) -> Mode:
@@ -254,26 +258,20 @@ class DPEngine:
         What a backward learns about the model (the plan, its layers' layouts, the forward structures it verified,
         that a self-check ran) is kept only if the backward succeeds: after a failed verification, the next backward
         must not trust a layout learnt from, say, a loss that mixed samples."""
-        learnt = _Learnt(
-            self._recorder.plan,
-            set(self._shared_sites),
-            set(self._not_batch_first),
-            set(self._structures),
-            self._last_self_check,
-        )
+        # the forward's own checks of its modules' rules (on values of their own) are evidence of their own
+        self._learn(self._known.with_plan(self._recorder.plan))
+        committed = self._known
         try:
             return self._measure_checked(loss, calls, keep_graph, keep_for_sum)
         except BaseException:
-            self._recorder.plan = learnt.plan
-            self._shared_sites, self._not_batch_first = learnt.shared_sites, learnt.not_batch_first
-            self._structures, self._last_self_check = learnt.structures, learnt.last_self_check
+            self._learn(committed)
             raise
 
     def _measure_checked(self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool) -> _Measured:
         batch = loss.shape[0]
         checking = self._self_check_due()
         shapes = [_CallShape(call.module, call.output_meta) for call in calls]
-        new_structure = self._structure(shapes, batch) not in self._structures
+        new_structure = self._structure(shapes, batch) not in self._known.verified
         if checking or new_structure:
             checking = self._cover_structure(loss, calls, batch, checking)
         # a new structure, and every self-check, verifies that every layer's output rows are per-sample; every rank
@@ -314,7 +312,7 @@ class DPEngine:
             if checking:
                 self._check_per_sample(loss, norms, held, self_check.tolerance(dtypes), retain_graph=keep_graph)
         if batch > 1:  # a batch of one decides no layout: every dim fits it, and its rows cannot be told apart
-            self._structures.update((self._structure(shapes, batch), self._structure(shapes, 1)))
+            self._learn(self._known.verifying(self._structure(shapes, batch), self._structure(shapes, 1)))
         return _Measured(norms, clip_norms_sq, skipped)
 
     def _cover_structure(self, loss: Tensor, calls: list[Call], batch: int, checking: bool) -> bool:
@@ -470,7 +468,11 @@ class DPEngine:
                 return changed
             time_major = {i: d for i in misfits if (d := self._time_major_dim(calls[i], batch)) is not None}
             if time_major:  # a position-wise rule is told where the batch is
-                self._use_plan(self._plan.with_batch_dims({calls[i].module: d for i, d in time_major.items()}))
+                self._learn(
+                    self._known.with_plan(
+                        self._plan.with_batch_dims({calls[i].module: d for i, d in time_major.items()})
+                    )
+                )
                 changed = True
                 continue
             uses = found.uses
@@ -478,7 +480,7 @@ class DPEngine:
                 coverage.promotions(uses, calls, self._plan)
                 if uses
                 else coverage.layout_promotions(
-                    misfits, calls, self._plan, found.enclosing, batch, self._not_batch_first
+                    misfits, calls, self._plan, found.enclosing, batch, self._known.not_batch_first
                 )
             )
             if self._adapter.reshards_after_forward:
@@ -493,14 +495,10 @@ class DPEngine:
             plan = self._plan
             for module, keys in targets.items():
                 plan = plan.promote(module, keys)
-            self._use_plan(plan)
+            self._learn(self._known.with_plan(plan))
             changed = True
         coverage.refuse(coverage.walk(loss, calls, self._plan, self.model.named_parameters()).uses)
         return changed
-
-    def _use_plan(self, plan: GradientPlan) -> None:
-        self._recorder.plan = plan
-        self._structures.clear()
 
     def _time_major_dim(self, call: Call, batch: int) -> int | None:
         """For a call of a position-wise rule whose outputs have the batch in another dim than the one it was
@@ -520,7 +518,7 @@ class DPEngine:
             i: [
                 edge
                 for edge, meta, dim in zip(call.edges, call.output_meta, self._batch_dims(call), strict=True)
-                if _lacks_batch(meta.shape, dim, batch) or id(call.module) in self._not_batch_first
+                if _lacks_batch(meta.shape, dim, batch) or id(call.module) in self._known.not_batch_first
             ]
             for i, call in enumerate(calls)
             if i in entered and batch > 1 and self._plan.site(call.module).match is not None
@@ -554,9 +552,10 @@ class DPEngine:
         interval = self.settings.self_check
         if not self._self_check_enabled:
             return False
-        if self._last_self_check is not None and index - self._last_self_check < interval:
+        last = self._known.last_self_check
+        if last is not None and index - last < interval:
             return False
-        self._last_self_check = index
+        self._learn(self._known.self_checked(index))
         return True
 
     def _batch_independence(self, loss: Tensor, calls: list[Call], verifying: _Verifying) -> list[int]:
@@ -578,7 +577,7 @@ class DPEngine:
             for j, (edge, meta, dim) in enumerate(
                 zip(call.edges, call.output_meta, self._batch_dims(call), strict=True)
             )
-            if id(call.module) in self._shared_sites or _lacks_batch(meta.shape, dim, batch)
+            if id(call.module) in self._known.shared_sites or _lacks_batch(meta.shape, dim, batch)
         ]
         if not candidates:
             return {}
@@ -588,7 +587,7 @@ class DPEngine:
             frontiers = broadcast.frontiers(edge, graph, batch)
             if frontiers:
                 shared[(i, j)] = broadcast.SharedOutput(edge, shape, frontiers)
-                self._shared_sites.add(id(calls[i].module))
+                self._learn(self._known.sharing([id(calls[i].module)]))
         return shared
 
     def _batch_dims(self, call: Call) -> tuple[int, ...]:
@@ -606,13 +605,15 @@ class DPEngine:
         others = [i for i in failing if i not in shared and i not in time_major]
         if others and len(set(failing)) == len(calls):  # every layer fails: the losses mix samples
             return _Found.REFUSED
-        if others and all(id(calls[i].module) in self._not_batch_first for i in others):  # known, not covered
+        if others and all(id(calls[i].module) in self._known.not_batch_first for i in others):  # known, not covered
             return _Found.REFUSED
-        self._shared_sites.update(id(calls[i].module) for i in shared)
+        known = self._known.sharing(id(calls[i].module) for i in shared)
         if time_major:  # (verified by the redone pass)
-            self._recorder.plan = self._plan.with_batch_dims({calls[i].module: d for i, d in time_major.items()})
+            known = known.with_layout(self._plan.with_batch_dims({calls[i].module: d for i, d in time_major.items()}))
         if others:  # (a time-major layer without a position-wise rule, whose T equals B)
-            self._not_batch_first.update(id(calls[i].module) for i in others)
+            known = known.not_batch_first_too(id(calls[i].module) for i in others)
+        self._learn(known)
+        if others:
             return _Found.NOT_BATCH_FIRST
         return _Found.RELEARNT
 
@@ -834,16 +835,6 @@ class _Measured:
 
 #: the settings a resumed run must share with the checkpointed one
 _RESUMED_SETTINGS = ("noise_multiplier", "sample_rate", "max_grad_norm")
-
-
-class _Learnt(NamedTuple):
-    """What the engine has learnt about the model when a backward starts."""
-
-    plan: GradientPlan
-    shared_sites: set[int]
-    not_batch_first: set[int]
-    structures: set[tuple]
-    last_self_check: int | None
 
 
 class _Found(enum.IntEnum):

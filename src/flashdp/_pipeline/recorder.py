@@ -132,7 +132,6 @@ class Recorder:
         self._on_call = on_call
         self._keep_params = keep_params
         self._paused = False
-        self._verified: set[int] = set()
         self._rng_states: dict[int, list[RngState]] = {}
         # prepend: run before a wrapper's own post-forward hook (FSDP2 reshards its parameters there)
         self._handles = [
@@ -167,8 +166,7 @@ class Recorder:
             if slots and hooks is not None:  # packed as in the forward: the recomputation matches saves by order
                 _packed((args, kwargs), hooks)
             return
-        if site.match is not None and site.match.verify_with is not None and id(module) not in self._verified:
-            self._verified.add(id(module))
+        if site.match is not None and site.match.verify_with is not None:  # (the plan it gives has none)
             scale = _scale_of_its_rule(site, args or tuple(kwargs.values()), output)
             # a module that does not compute what its registered rule assumes gets the generic rule instead
             self.plan = self.plan.with_generic(module) if scale is None else self.plan.with_scale(module, scale)

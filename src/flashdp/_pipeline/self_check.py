@@ -172,18 +172,25 @@ def _norms(rows: Tensor) -> Tensor:
 
 
 def batch_independence_error(failing: Sequence[str], every: Sequence[str]) -> FlashDPError:
-    cause = (
-        "every layer fails, so most likely the per-sample losses mix samples (a contrastive loss over the batch, a "
-        "loss or normalisation that uses batch statistics): loss[i] must depend on sample i only. Less likely: "
-        "every layer runs on time-major [T, B, ...] inputs whose T happens to equal B"
-        if set(failing) == set(every)
-        else "the batch is not the first dim of these layers' outputs (a time-major [T, B, ...] input whose T happens "
-        "to equal B, rows permuted inside the forward), or samples are mixed after them"
+    """The layers whose output rows are not per-sample, and each cause the evidence cannot tell apart, with what to
+    do for it; the likeliest first (every layer failing points at the loss)."""
+    mixing = (
+        "the per-sample losses mix samples (a contrastive loss over the batch, a loss or normalisation using batch "
+        "statistics): make loss[i] depend on sample i only"
     )
+    layout = (
+        "these layers run time-major ([T, B, ...], or with extra positions such as an added bias step: "
+        "[T + 1, B, ...]) and that leading size happens to be a multiple of B, so it passed for a batch: give them "
+        "batch-first inputs, or a batch size that does not divide that size, and flashdp finds the layout by size"
+    )
+    reorder = "rows are reordered inside the forward and not put back: restore the order before the loss"
+    causes = [mixing, layout, reorder] if set(failing) == set(every) else [layout, reorder, mixing]
+    listed = " ".join(f"({k}) {cause};" for k, cause in enumerate(causes, 1))
     return FlashDPError(
         "Self-check failed: the gradient of these layers' outputs is not separable by sample: "
-        f"{', '.join(dict.fromkeys(failing))}. Row i of a layer's output must belong to sample i alone. Likely cause: "
-        f"{cause}. See docs/assumptions.md."
+        f"{', '.join(dict.fromkeys(failing))}. Row i of a layer's output must belong to sample i alone. The evidence "
+        f"cannot tell these causes apart, likeliest first: {listed[:-1]}. Nothing was added to .grad. See "
+        "docs/assumptions.md."
     )
 
 

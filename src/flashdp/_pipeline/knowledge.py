@@ -1,0 +1,57 @@
+"""What the engine trusts about the model, and on what evidence: one immutable value.
+
+A backward starts from the committed `Knowledge`, derives new values as it learns (each method returns a new one),
+and the engine commits the last only when the backward succeeds: a failed verification leaves nothing learnt. Each
+field says what put a fact there; nothing else does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field, replace
+
+from flashdp._pipeline.scan import GradientPlan
+
+#: what a verified forward structure rests on (`DPEngine._structure`): the modules called and, per output of a rule
+#: site's call, whether its size at the batch dim is a multiple of B
+Structure = tuple[Hashable, ...]
+
+
+@dataclass(frozen=True)
+class Knowledge:
+    #: which rule counts each parameter. Changed by: a module's first call, whose forward is checked against its
+    #: rule's on values of the check's own (`Recorder`: a scale, or the generic rule); the coverage walk (a
+    #: parameter used outside the calls counting it moves to an enclosing generic rule); layout learning on a
+    #: batch of more than one (a position-wise layer's batch dim; a layer whose rows are not samples)
+    plan: GradientPlan
+    #: modules whose outputs were found shared across the batch: without the batch dim, broadcast over it by a
+    #: later op whose batch dim is the only one of size B (`broadcast.frontiers`), on a batch of more than one
+    shared_sites: frozenset[int] = frozenset()
+    #: modules whose outputs' rows were found not to be samples by the verifying pass, although their number is B
+    not_batch_first: frozenset[int] = frozenset()
+    #: forward structures covered under this plan and verified on a batch of more than one (or, under a wrapper
+    #: that cannot verify, whose sizes decided the layout alone); a batch of one verifies nothing
+    verified: frozenset[Structure] = field(default_factory=frozenset)
+    #: the backward index of the last self-check, which schedules the next
+    last_self_check: int | None = None
+
+    def with_plan(self, plan: GradientPlan) -> Knowledge:
+        """Another plan: every structure is verified again under it."""
+        return self if plan is self.plan else replace(self, plan=plan, verified=frozenset())
+
+    def with_layout(self, plan: GradientPlan) -> Knowledge:
+        """The plan with batch dims learnt by a verifying pass, which is redone: its structure is verified then."""
+        return replace(self, plan=plan)
+
+    def sharing(self, modules: Iterable[int]) -> Knowledge:
+        added = frozenset(modules) - self.shared_sites
+        return replace(self, shared_sites=self.shared_sites | added) if added else self
+
+    def not_batch_first_too(self, modules: Iterable[int]) -> Knowledge:
+        return replace(self, not_batch_first=self.not_batch_first | frozenset(modules))
+
+    def verifying(self, *structures: Structure) -> Knowledge:
+        return replace(self, verified=self.verified | frozenset(structures))
+
+    def self_checked(self, index: int) -> Knowledge:
+        return replace(self, last_self_check=index)

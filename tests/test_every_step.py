@@ -281,3 +281,44 @@ def test_a_rule_refused_in_the_forward_stays_refused_after_a_failed_backward(mod
         for i in range(3)
     ]
     torch.testing.assert_close(norms.double(), torch.stack(expected).norm(dim=1), rtol=1e-6, atol=1e-8)
+
+
+class _AddsIntoAnotherGrad(nn.Module):
+    """Once `meddling`: a gradient hook on an activation that adds into a parameter's `.grad` in place, or
+    (`assigns`) replaces it: no autograd accumulation."""
+
+    def __init__(self, assigns: bool) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(3, 3), nn.Linear(3, 2)
+        self.assigns, self.meddling = assigns, False
+
+    def forward(self, x):
+        h = self.first(x)
+        if self.meddling:
+            h.register_hook(lambda _: self._meddle())
+        return self.last(h.tanh())
+
+    def _meddle(self) -> None:
+        if self.assigns:
+            self.last.bias.grad = torch.full_like(self.last.bias, 100.0)
+        else:
+            self.last.bias.grad.add_(7.0)
+
+
+@pytest.mark.parametrize("self_check", [None, 1])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("assigns", [False, True], ids=["in-place", "assigned"])
+def test_a_hook_writing_a_grad_is_refused_and_nothing_it_wrote_is_left(assigns, mode, self_check):
+    model = _AddsIntoAnotherGrad(assigns).double()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=self_check)
+    engine.backward(_sum_loss(model, torch.randn(3, 3, dtype=torch.float64)))  # an earlier micro-batch
+    earlier = model.last.bias.grad
+    before = earlier.clone()
+    model.meddling = True
+    with pytest.raises(FlashDPError, match=r"wrote to the \.grad of 'last\.bias'"):
+        engine.backward(_sum_loss(model, torch.randn(3, 3, dtype=torch.float64)))
+    if assigns:  # the replaced tensor, untouched, is put back
+        assert model.last.bias.grad is earlier and torch.equal(earlier, before)
+    else:  # changed in place: cleared, so nothing foreign is left (the earlier micro-batch with it)
+        assert model.last.bias.grad is None
+    engine.detach()

@@ -290,7 +290,9 @@ class DPEngine:
             held = self._graph_tensors(rule_calls) if checking else {}
             dtypes = [loss.dtype, *(m.dtype for c in rule_calls for m in c.output_meta)]
             try:
-                collector = self._norm_pass(loss, rule_calls, keep_graph or checking, keep_for_sum, verify, keep)
+                collector, decided = self._norm_pass(
+                    loss, rule_calls, keep_graph or checking, keep_for_sum, verify, keep
+                )
                 break
             except _NotBatchFirst:  # its parameters move to an enclosing module's generic rule; verified again
                 calls = list(recorded)
@@ -311,7 +313,7 @@ class DPEngine:
             skipped = nonfinite.nonfinite_samples(self.settings.nonfinite, clip_norms_sq, norms, self._adapter.dp_group)
             if checking:
                 self._check_per_sample(loss, norms, held, self_check.tolerance(dtypes), retain_graph=keep_graph)
-        if batch > 1:  # a batch of one decides no layout: every dim fits it, and its rows cannot be told apart
+        if batch > 1 and decided:  # a batch of one decides no layout: every dim fits it, its rows are all its own
             self._learn(self._known.verifying(self._structure(shapes, batch), self._structure(shapes, 1)))
         return _Measured(norms, clip_norms_sq, skipped)
 
@@ -374,12 +376,14 @@ class DPEngine:
 
     def _norm_pass(
         self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool, verify: bool, keep: dict
-    ) -> NormCollector:
+    ) -> tuple[NormCollector, bool]:
         """The norm pass: each call's output gradients go to a collector as autograd computes them (their norms
         are part of the "norm pass" phase). With `verify`, each is also sketched, and a weighted pass compared with
         the sketches verifies batch independence; a layer found shared across the batch, or time-major, only by
         verifying is learnt, and the pass redone (a layer found not batch-first otherwise raises `_NotBatchFirst`).
-        `keep`: what the collector keeps for a float64 recomputation."""
+        `keep`: what the collector keeps for a float64 recomputation. Also whether the pass decided the layout for
+        later steps: not where a sample's rows were all zero in some layer (a sample padded out, masked), which
+        shows nothing about whose rows are whose; this step's numbers are exact either way (the weights differ)."""
         batch = loss.shape[0]
         while True:
             shared = self._shared_outputs(loss, calls, batch)
@@ -403,7 +407,7 @@ class DPEngine:
                 passed = list(calls) if verify else calls
                 stream_output_gradients(loss, passed, receive, held, keep_graph or verify, prepare=collector.unpack)
             if verifying is None:
-                return collector
+                return collector, True
             with torch.no_grad():
                 failing = self._batch_independence(loss, calls, verifying)
             found = self._learn_layout(loss, calls, failing, batch) if failing else _Found.VERIFIED
@@ -411,7 +415,7 @@ class DPEngine:
                 found = _Found.REFUSED
             agreed = _Found(max(self._on_any_rank([found], loss.device)))
             if agreed is _Found.VERIFIED:
-                return collector
+                return collector, verifying.every_sample_seen()
             if agreed is _Found.NOT_BATCH_FIRST:
                 raise _NotBatchFirst
             if agreed is _Found.REFUSED:
@@ -447,7 +451,7 @@ class DPEngine:
         gradients = collector.gradients
         if any(n.plan is None and p.key not in gradients for p, n in norms if not nonfinite.all_finite(n.norm_sq)):
             calls = list(collector.calls)
-            redo = self._norm_pass(loss, calls, keep_graph, False, verify=False, keep={"keep_gradients": True})
+            redo, _ = self._norm_pass(loss, calls, keep_graph, False, verify=False, keep={"keep_gradients": True})
             redo.finish()
             gradients = redo.gradients
         return nonfinite.recompute_overflowed(norms, gradients, loss.shape[0])
@@ -869,6 +873,9 @@ class _Verifying:
 
     def __post_init__(self) -> None:
         self.sketches = [()] * len(self.calls)
+
+    def every_sample_seen(self) -> bool:
+        return all(sketch.every_sample_seen for sketches in self.sketches for sketch in sketches if sketch)
 
     def keep(self, index: int, grads: tuple) -> None:
         shared = {j for i, j in self.shared if i == index}

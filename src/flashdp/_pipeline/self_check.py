@@ -54,14 +54,18 @@ def tolerance(dtypes: Sequence[torch.dtype]) -> float:
     return 1e-3
 
 
-def _powers_of_two(batch: int, generator: torch.Generator) -> Tensor:
-    """`[B]` weights in {1, 2, 4, 8}, not all equal. Scaling by a power of two is exact in floating point, so a
-    per-sample gradient scales exactly, rounding noise included: the comparison needs no magnitude floor and sees
-    layers whose gradients are tiny next to others'."""
-    weights = 2.0 ** torch.randint(0, 4, (batch,), generator=generator, dtype=torch.float64)
-    if batch > 1 and bool((weights == weights[0]).all()):
-        weights[0] *= 2
-    return weights
+#: the largest power-of-two weight exponent per dtype of the loss and outputs (16-bit floats: the range of fp16)
+_MAX_EXPONENT = {torch.float64: 30, torch.float32: 15, torch.bfloat16: 3, torch.float16: 3}
+
+
+def _powers_of_two(batch: int, dtypes: Sequence[torch.dtype], generator: torch.Generator) -> Tensor:
+    """`[B]` power-of-two weights, a random permutation of `2^(k mod (K + 1))`, k = 0..B-1: DISTINCT where B <= K + 1
+    (rows of two samples with the same weight could be swapped unseen), each value used as evenly as possible beyond.
+    Scaling by a power of two is exact in floating point, so a per-sample gradient scales exactly, rounding noise
+    included: the comparison needs no magnitude floor and sees layers whose gradients are tiny next to others'."""
+    top = min(_MAX_EXPONENT.get(d, 3) for d in dtypes)
+    exponents = torch.arange(batch, dtype=torch.float64) % (top + 1)
+    return 2.0 ** exponents[torch.randperm(batch, generator=generator)]
 
 
 #: random projections of each sample's rows that the batch-independence check keeps per output
@@ -101,7 +105,14 @@ class RowSketch:
         expected = self.projections * weights[:, None]
         error = (_project(rows, self.left, self.right) - expected).square().mean(1).sqrt()
         scale = self.norms * weights + _norms(rows)
-        return bool((error > rtol * (scale + 1e-3 * scale.max())).any())
+        floor = 1e-3 * self.norms.max() * weights  # (relative to the sample's own weight, not the largest)
+        return bool((error > rtol * (scale + floor)).any())
+
+    @property
+    def every_sample_seen(self) -> bool:
+        """Whether every sample's rows were non-zero: a sample whose rows are all zero shows nothing about which
+        rows are its own (rows of another sample mixed with zeros scale like its own)."""
+        return bool((self.norms > 0).all())
 
 
 def sketch_output_gradients(
@@ -129,7 +140,8 @@ def batch_independence_failures(
     docstring), from the sketches of the unweighted pass's output gradients. With fewer than 2 samples there is
     nothing to compare, but the pass still runs (FSDP ranks must run the same passes)."""
     batch = loss.shape[0]
-    weights = _powers_of_two(batch, generator).to(loss.device)
+    dtypes = [loss.dtype, *(m.dtype for c in calls for m in c.output_meta)]
+    weights = _powers_of_two(batch, dtypes, generator).to(loss.device)
     with torch.enable_grad():
         weighted_loss = loss * weights.to(loss.dtype)
     failing: list[int] = []

@@ -297,6 +297,7 @@ class DPEngine:
             except _NotBatchFirst:  # its parameters move to an enclosing module's generic rule; verified again
                 calls = list(recorded)
                 checking = self._cover_structure(loss, calls, batch, checking)
+                checking = bool(self._on_any_rank([checking], loss.device)[0])
         del rule_calls, recorded  # (the collector releases each call once its gradients are in)
         plan = self._plan
         with torch.no_grad(), kernels_backend(self.settings.backend), self._timer.phase("norm computation"):

@@ -73,3 +73,44 @@ def test_a_first_batch_of_one_teaches_the_next_batches_nothing(name, mode, monke
     check_steps(
         model, steps, case.loss, lambda rows, i: slice(rows.start + i, rows.start + i + 1), [1, B, B - 1], mode=mode
     )
+
+
+@pytest.mark.slow
+def test_a_pooled_length_equal_to_the_batch_is_exact_or_refused_naming_that_cause(monkeypatch):
+    """HF Funnel pools the sequence: with T = 8 and B = 4 its second block's relative positions have B rows, which
+    the generic rule cannot tell from samples. Exact, or a refusal that names that cause among the others."""
+    import transformers as tf
+
+    monkeypatch.setattr(zoo, "T", 8)
+    monkeypatch.setattr(zoo, "B", 4)
+    monkeypatch.setattr(zoo, "LABELS", torch.arange(4) % 3)
+    case = zoo.classifier(
+        tf.FunnelConfig, tf.FunnelForSequenceClassification, d_model=8, n_head=2, d_head=4, d_inner=12,
+        block_sizes=[1, 1], num_decoder_layers=1, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    )  # fmt: skip
+    model = case.build().double().eval()
+    try:
+        check_against_oracle(model, lambda s: case.loss(model, s), 4, rtol=1e-6)
+    except flashdp.FlashDPError as error:
+        assert "has the batch size B in its first dim by coincidence (a pooled" in str(error)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_reformers_reversible_layers_writing_their_own_gradients_are_refused(mode):
+    """HF Reformer's reversible layers recompute their forward in the backward and call .backward() on it: raw,
+    unclipped gradients into `.grad` that no norm counts. Refused, and nothing is left in `.grad`."""
+    import transformers as tf
+
+    config = tf.ReformerConfig(
+        vocab_size=zoo.VOCAB, hidden_size=8, num_attention_heads=2, attention_head_size=4, feed_forward_size=12,
+        attn_layers=["local", "local"], axial_pos_embds=False, max_position_embeddings=16, local_attn_chunk_length=4,
+        is_decoder=True, hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )  # fmt: skip
+    model = tf.ReformerModelWithLMHead(config).double()
+    ids = torch.randint(2, zoo.VOCAB, (3, 8), generator=torch.Generator().manual_seed(0))
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
+        logits = model(input_ids=ids).logits
+        with pytest.raises(flashdp.FlashDPError, match=r"something other than flashdp wrote to the \.grad of"):
+            engine.backward(flashdp.per_sample_lm_loss(logits, ids))
+    assert all(p.grad is None for p in model.parameters())

@@ -56,8 +56,12 @@ def check_recomputed(label: str, recorded: Tensor | None, again: Tensor, how: st
     if not bool(error <= tolerance):
         raise FlashDPError(
             f"flashdp recomputed {label}'s output {how} and got another result (relative difference "
-            f"{float(error):.2g}): its forward is random (dropout in training mode), keeps state between calls, or "
-            "mixes samples. Make it deterministic (eval(), or dropout 0), or freeze its parameters."
+            f"{float(error):.2g}). The evidence cannot tell these causes apart: (1) its forward is random (dropout in "
+            "training mode): make it deterministic (eval(), or dropout 0); (2) it keeps state between calls: reset "
+            "it, or freeze its parameters; (3) it mixes samples: compute each sample's output from that sample "
+            "alone; (4) an input that is not per-sample has the batch size B in its first dim by coincidence (a "
+            "pooled or relative-position length, a table of B rows) and was split as one row per sample: use a batch "
+            "size that differs from those lengths, or register a rule for its type with flashdp.register_rule(...)."
         )
 
 

@@ -1,112 +1,138 @@
 """Per-step cost of flashdp's every-step checks on a Hugging Face LM fine-tune whose batch changes every step.
 
 A GPT-2 (d=128, 2 layers, vocab 512) trained with Poisson batches (expected size 8) of sequences of random length
-(8 to 96 tokens) padded to the longest of each batch: B and T change on every step, as in real fine-tuning. Every
-step's wall time is recorded; the steady state is the median of the steps after the first ten.
+(8 to 96 tokens) padded to the longest of each batch: B and T change on every step, as in real fine-tuning.
 
-    python benchmarks/every_step.py                      # this tree, prints the per-step times
-    python benchmarks/every_step.py --compare OTHER/src  # interleaved runs of this tree and another source tree
+    python benchmarks/every_step.py                      # this tree: first and steady step times
+    python benchmarks/every_step.py --compare OTHER/src  # this tree against another source tree, step by step
 
-With --compare, each round runs both trees in fresh processes, in alternating order, and the ratio of their steady
-medians is reported per round and overall (median over rounds).
+With --compare, the other tree's flashdp is imported under another name in the same process, and two copies of the
+model (same weights, same batches, same noise seed) train side by side: each step runs on both, in alternating
+order, so that both see the same load. Reported: the median over steps of the per-step time ratio after the first
+`SKIP` steps (the steady state), the first step of each, and the steps on which this tree verified a structure.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import importlib
 import json
-import os
+import re
+import shutil
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
-HERE = Path(__file__).resolve().parent
 SKIP = 10  # steps before the steady state (the first structures' verification and self-check)
+DATASET, VOCAB, EXPECTED = 2000, 512, 8
 
 
-def run(steps: int, mode: str, seed: int) -> list[float]:
-    """Wall time of each step, seconds."""
+def build_model() -> torch.nn.Module:
     import transformers as tf
 
+    torch.manual_seed(0)
+    return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=128))
+
+
+def batches(steps: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Poisson batches of the dataset, each padded to its longest sequence (None: an empty batch)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 97, (DATASET,), generator=generator)
+    tokens = torch.randint(1, VOCAB, (DATASET, 96), generator=generator)
+    out = []
+    for _ in range(steps):
+        picked = torch.nonzero(torch.rand(DATASET, generator=generator) < EXPECTED / DATASET).flatten()
+        longest = int(lengths[picked].max()) if len(picked) else 0
+        mask = (torch.arange(longest)[None] < lengths[picked, None]).long()
+        out.append((tokens[picked, :longest], mask) if len(picked) else None)
+    return out
+
+
+class Trainer:
+    """One model and its engine from one flashdp package; `step(batch)` times one DP-SGD step."""
+
+    def __init__(self, flashdp: ModuleType, model: torch.nn.Module, mode: str) -> None:
+        self.flashdp, self.model = flashdp, model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        self.engine = flashdp.make_private(
+            model, mode=mode, max_grad_norm=1.0, noise_multiplier=1.0, optimizer=optimizer,
+            expected_batch_size=EXPECTED, sample_rate=EXPECTED / DATASET, seed=0,
+        )  # fmt: skip
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor] | None) -> float:
+        start = time.perf_counter()
+        if batch is None:
+            self.engine.backward_empty()
+        else:
+            ids, mask = batch
+            logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            self.engine.backward(self.flashdp.per_sample_lm_loss(logits, ids, attention_mask=mask))
+        self.engine.step()
+        return time.perf_counter() - start
+
+
+def baseline_package(source: Path, into: Path) -> ModuleType:
+    """The flashdp package of another source tree, imported as `flashdp_baseline` (its imports rewritten)."""
+    target = into / "flashdp_baseline"
+    shutil.copytree(source / "flashdp", target)
+    for path in target.rglob("*.py"):
+        text = re.sub(r"\b(from|import) flashdp\b", r"\1 flashdp_baseline", path.read_text())
+        path.write_text(text)
+    sys.path.insert(0, str(into))
+    return importlib.import_module("flashdp_baseline")
+
+
+def compare(other: Path, steps: int, mode: str, seed: int) -> dict:
     import flashdp
 
-    torch.manual_seed(seed)
-    config = tf.GPT2Config(vocab_size=512, n_embd=128, n_layer=2, n_head=4, n_positions=128)
-    model = tf.GPT2LMHeadModel(config)
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(8, 97, (2000,), generator=generator)
-    tokens = torch.randint(1, 512, (2000, 96), generator=generator)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    engine = flashdp.make_private(
-        model, mode=mode, max_grad_norm=1.0, noise_multiplier=1.0, optimizer=optimizer, expected_batch_size=8,
-        sample_rate=8 / 2000, seed=seed,
-    )  # fmt: skip
-    times = []
-    for _ in range(steps):
-        picked = torch.nonzero(torch.rand(2000, generator=generator) < 8 / 2000).flatten()
-        start = time.perf_counter()
-        if len(picked) == 0:
-            engine.backward_empty()
-        else:
-            longest = int(lengths[picked].max())
-            ids = tokens[picked, :longest]
-            mask = (torch.arange(longest)[None] < lengths[picked, None]).long()
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            engine.backward(flashdp.per_sample_lm_loss(logits, ids, attention_mask=mask))
-        engine.step()
-        times.append(time.perf_counter() - start)
-    engine.detach()
-    return times
-
-
-def steady(times: list[float]) -> float:
-    return statistics.median(times[SKIP:])
-
-
-def compare(other: str, rounds: int, steps: int, mode: str) -> dict:
-    """Interleaved fresh-process runs of this tree and `other` (a source directory holding `flashdp`)."""
-    trees = {"this": str(HERE.parent / "src"), "other": other}
-    results: dict[str, list[list[float]]] = {"this": [], "other": []}
-    for r in range(rounds):
-        for name in ("this", "other") if r % 2 == 0 else ("other", "this"):
-            env = {**os.environ, "PYTHONPATH": trees[name]}
-            command = [sys.executable, __file__, "--steps", str(steps), "--mode", mode, "--seed", str(r), "--json"]
-            out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
-            results[name].append(json.loads(out.splitlines()[-1]))
-    ratios = [steady(a) / steady(b) for a, b in zip(results["this"], results["other"], strict=True)]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model()
+        trainers = {"this": Trainer(flashdp, model, mode)}
+        trainers["other"] = Trainer(baseline_package(other, Path(tmp)), copy.deepcopy(model), mode)
+        times: dict[str, list[float]] = {"this": [], "other": []}
+        verified = []
+        for index, batch in enumerate(batches(steps, seed)):
+            known = len(trainers["this"].engine._known.verified)
+            for name in ("this", "other") if index % 2 == 0 else ("other", "this"):
+                times[name].append(trainers[name].step(batch))
+            if len(trainers["this"].engine._known.verified) > known:
+                verified.append(index)
+    ratios = [a / b for a, b in zip(times["this"][SKIP:], times["other"][SKIP:], strict=True)]
     return {
         "mode": mode,
         "steps": steps,
-        "rounds": rounds,
-        "steady_ms": {name: [1e3 * steady(t) for t in runs] for name, runs in results.items()},
-        "first_step_ms": {name: [1e3 * t[0] for t in runs] for name, runs in results.items()},
-        "steady_ratio_per_round": ratios,
+        "seed": seed,
+        "steady_ms": {name: 1e3 * statistics.median(t[SKIP:]) for name, t in times.items()},
+        "first_step_ms": {name: 1e3 * t[0] for name, t in times.items()},
         "steady_ratio": statistics.median(ratios),
+        "steady_ratio_quartiles": statistics.quantiles(ratios, n=4),
+        "steps_verifying_a_structure": verified,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--mode", default="bk")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print the step times as one JSON line")
-    parser.add_argument("--compare", metavar="SRC", help="another source tree to run side by side")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--compare", metavar="SRC", type=Path, help="another source tree, run side by side")
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     if args.compare:
-        print(json.dumps(compare(args.compare, args.rounds, args.steps, args.mode), indent=1))
+        print(json.dumps(compare(args.compare, args.steps, args.mode, args.seed), indent=1))
         return
-    times = run(args.steps, args.mode, args.seed)
-    if args.json:
-        print(json.dumps(times))
-    else:
-        print(f"first step {1e3 * times[0]:.1f} ms, steady median {1e3 * steady(times):.2f} ms over {len(times)} steps")
+    import flashdp
+
+    trainer = Trainer(flashdp, build_model(), args.mode)
+    times = [trainer.step(batch) for batch in batches(args.steps, args.seed)]
+    print(f"first step {1e3 * times[0]:.1f} ms, steady median {1e3 * statistics.median(times[SKIP:]):.2f} ms")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ class Knowledge:
         return replace(self, not_batch_first=self.not_batch_first | frozenset(modules))
 
     def verifying(self, *structures: Structure) -> Knowledge:
-        return replace(self, verified=self.verified | frozenset(structures))
+        added = frozenset(structures) - self.verified
+        return replace(self, verified=self.verified | added) if added else self
 
     def self_checked(self, index: int) -> Knowledge:
         return replace(self, last_self_check=index)

@@ -308,6 +308,10 @@ def _reshape_base(output: Tensor) -> Tensor:
     return output
 
 
+#: rows of each input (dim 0) the probe of a module's forward keeps
+_PROBE_ROWS = 2
+
+
 @torch.no_grad()  # entirely: inside a checkpointed region, a saved tensor would break the recomputation
 def _scale_of_its_rule(site: Site, inputs: tuple, output: object) -> float | None:
     """For a module matched by duck typing, or overriding its class's forward: the constant c with output =
@@ -334,13 +338,15 @@ def _scale_of_its_rule(site: Site, inputs: tuple, output: object) -> float | Non
 
 def _on_probe_values(site: Site, inputs: tuple) -> tuple[object, object]:
     """The module's forward and its rule's reference forward in float64, on random trainable parameters and random
-    floating inputs (integer inputs such as token ids kept), without hooks and without touching the module."""
+    floating inputs (integer inputs such as token ids kept), without hooks and without touching the module. Inputs
+    keep at most `_PROBE_ROWS` rows of their dim 0: the probe costs a sliver of the call's memory."""
     generator = torch.Generator().manual_seed(0)
 
     def draw(t: Tensor) -> Tensor:
         return torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.device)
 
-    probe_inputs = tuple(draw(x) if isinstance(x, Tensor) and x.is_floating_point() else x for x in inputs)
+    rows = tuple(x[:_PROBE_ROWS] if isinstance(x, Tensor) and x.dim() > 1 else x for x in inputs)
+    probe_inputs = tuple(draw(x) if isinstance(x, Tensor) and x.is_floating_point() else x for x in rows)
     holder = _Probe(site.module, site.match.verify_with)
     values = {f"module.{name}": draw(attribute(site.module, name)) for name in site.trainable}
     values |= {

@@ -9,9 +9,12 @@ At `make_private`:
 Each `engine.backward(loss)`:
     1. record       recorder.py: forward hooks keep references to each trainable layer call's inputs and the
                     gradient edge of its output
-    -  guards       guards.py (the loss, the model's parameters), provenance.py (no gradient but engine.backward's)
+    -  guards       guards.py (the loss, the model's parameters), provenance.py (no gradient but engine.backward's),
+                    grad_writes.py (no `.grad` write during the backward but flashdp's own)
+    -  knowledge    knowledge.py: what the engine trusts about the model and on what evidence (the plan, shared
+                    outputs, verified forward structures), one immutable value committed when a backward succeeds
     -  coverage     coverage.py: every trainable parameter reaches the loss only inside calls that count it
-                    (first backward of every new forward structure)
+                    (every backward whose forward structure is not yet verified)
     2. norm pass    norm_pass.py: one autograd pass to those edges (no parameter gradient); each call's output
                     gradient is handed over as autograd computes it (broadcast.py: per-sample gradients of
                     outputs shared across the batch) to collector.py, where the call's rule turns it into

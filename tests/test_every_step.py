@@ -322,3 +322,27 @@ def test_a_hook_writing_a_grad_is_refused_and_nothing_it_wrote_is_left(assigns, 
     else:  # changed in place: cleared, so nothing foreign is left (the earlier micro-batch with it)
         assert model.last.bias.grad is None
     engine.detach()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("hook", ["tensor", "post-accumulate"])
+def test_a_gradient_hook_on_a_parameter_is_refused(hook, mode):
+    """A hook on a parameter's gradient runs around autograd's accumulation: in ghost it would scale the clipped
+    sum after clipping (a sample's contribution far above C), in bk it would be skipped."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    weight = model[0].weight
+    if hook == "tensor":
+        weight.register_hook(lambda g: g * 100)
+    else:
+        weight.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(100))
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=0.1, noise_multiplier=0.0)
+    with engine, pytest.raises(FlashDPError, match=r"Parameters '0\.weight' have a gradient hook"):
+        engine.backward(_sum_loss(model, torch.randn(4, 3, dtype=torch.float64)))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_legacy_weight_norm_is_refused_naming_the_parametrization_that_works():
+    model = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(3, 4)), nn.Tanh(), nn.Linear(4, 2)).double()
+    engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0)
+    with engine, pytest.raises(FlashDPError, match=r"weight_g.*torch\.nn\.utils\.parametrizations\.weight_norm"):
+        engine.backward(_sum_loss(model, torch.randn(3, 3, dtype=torch.float64)))

@@ -166,6 +166,7 @@ class DPEngine:
         samples, whose forward a model may not run, call `backward_empty()` instead.
         """
         loss, calls = self._take_forward(loss, check_provenance=True)
+        self._grad_writes.check_no_gradient_hooks()
         batch = loss.shape[0]
         if batch == 0 and self._adapter.world_size == 1:
             self._backward_since_step = True

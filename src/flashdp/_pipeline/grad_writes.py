@@ -46,6 +46,27 @@ class GradWrites:
         for key, (_, p) in self._params.items():
             self._handles.append(p.register_hook(lambda grad, key=key: self._before_autograd(key)))
             self._handles.append(p.register_post_accumulate_grad_hook(lambda _, key=key: self._after_autograd(key)))
+        self._own_hooks = {handle.id for handle in self._handles}
+
+    def check_no_gradient_hooks(self) -> None:
+        """Refuse gradient hooks on the watched parameters other than these: a hook on a parameter's gradient
+        (`register_hook`, `register_post_accumulate_grad_hook`) runs around autograd's accumulation, where no watch
+        can order itself before or after every other hook; it would change ghost's clipped sum after clipping, or be
+        skipped by bk, which writes `.grad` itself."""
+        hooked = [
+            name
+            for name, p in self._params.values()
+            if set(p._backward_hooks or ()) - self._own_hooks
+            or set(p._post_accumulate_grad_hooks or ()) - self._own_hooks
+        ]
+        if hooked:
+            shown = ", ".join(repr(n) for n in hooked[:5]) + (f" and {len(hooked) - 5} more" if len(hooked) > 5 else "")
+            raise FlashDPError(
+                f"Parameters {shown} have a gradient hook (Tensor.register_hook or register_post_accumulate_grad_hook) "
+                "that flashdp did not add. It would change their gradient outside per-sample clipping (ghost and flash "
+                "fill .grad through autograd after clipping), or be skipped (bk writes .grad itself). Remove the hook; "
+                "transform activations' gradients instead, or the per-sample losses."
+            )
 
     @contextlib.contextmanager
     def refusing(self, allowed: Collection[Tensor] = ()) -> Iterator[None]:

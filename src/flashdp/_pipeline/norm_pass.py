@@ -204,7 +204,10 @@ def per_sample_gradients(
     missing = set(site.trainable) - set(per_sample)
     if missing:
         raise FlashDPError(
-            f"Rule {site.match.rule.name} returned no per-sample gradient for {sorted(missing)} of layer {site.label}."
+            f"Rule {site.match.rule.name} returned no per-sample gradient for {sorted(missing)} of layer {site.label}: "
+            "the layer holds parameters its rule does not know (the legacy torch.nn.utils.weight_norm registers "
+            "weight_g and weight_v and computes weight in a pre-hook). Use torch.nn.utils.parametrizations.weight_norm "
+            "(or another torch parametrization), or register a rule for the layer with flashdp.register_rule(...)."
         )
     return per_sample
 

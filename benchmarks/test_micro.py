@@ -8,7 +8,7 @@ On CPU the torch references run; the Triton kernels join on a GPU (under the int
 import pytest
 import torch
 
-from flashdp._pipeline import blocks
+from flashdp._pipeline import outer_products
 from flashdp.kernels.clipped_sum import kernel as clipped_sum_kernel
 from flashdp.kernels.clipped_sum import reference as clipped_sum_reference
 from flashdp.kernels.outer_norm import kernel as outer_norm_kernel
@@ -62,4 +62,4 @@ def test_clipped_sum(benchmark, impl, seq):
 def test_embedding_norm(benchmark, impl, seq):
     ids = torch.randint(0, 4096, (BATCH, seq), device=DEVICE)
     block = OuterGrad(TokenRows(ids, 4096), torch.randn(BATCH, seq, D, device=DEVICE))
-    assert benchmark(blocks.token_norm_sq, block).shape == (BATCH,)
+    assert benchmark(outer_products.token_norm_sq, block).shape == (BATCH,)

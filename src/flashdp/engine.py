@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from flashdp._checks import checked_delta
-from flashdp._pipeline import broadcast, coverage, guards, nonfinite, self_check
+from flashdp._pipeline import coverage, guards, nonfinite, self_check, shared_outputs
 from flashdp._pipeline.clipping import Clipping, clip_coefficients
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
 from flashdp._pipeline.grad_writes import GradWrites
@@ -28,10 +28,10 @@ from flashdp._pipeline.knowledge import Knowledge
 from flashdp._pipeline.norm_pass import batch_dims, stream_output_gradients
 from flashdp._pipeline.param_grad import ParamNorm, StrategyChoice
 from flashdp._pipeline.params import TrainableParam
+from flashdp._pipeline.plan import GradientPlan, scan_model
 from flashdp._pipeline.profiling import PhaseTimer, profiling_requested
 from flashdp._pipeline.provenance import GradientProvenance
 from flashdp._pipeline.recorder import Call, Recorder
-from flashdp._pipeline.scan import GradientPlan, scan_model
 from flashdp._pipeline.settings import DEFAULT_SELF_CHECK_INTERVAL, EngineSettings, Mode, NonFinite
 from flashdp.data import poisson_loader
 from flashdp.distributed import Adapter, adapter_for
@@ -103,19 +103,7 @@ class DPEngine:
         self._sampling = SamplingMonitor(per_rank)
         self._backward_since_step = False
         self._samples_since_step = 0
-        self._recorder = Recorder(plan, self._timer.forward_started, keep_params=self._adapter.reshards_after_forward)
-        self._provenance = GradientProvenance(model if trains else None)
-        # (under FSDP the registered parameters are not the ones autograd accumulates into)
-        watched = {} if self._adapter.reshards_after_forward else {p.name: p.param for p in plan.params}
-        self._grad_writes = GradWrites(watched)
-        self._detach = _Detacher(self._recorder, self._provenance, self._grad_writes, self._adapter, self._hooked)
-        if trains:
-            # a training engine lives until detach(): the model's hooks hold it, so dropping the returned engine
-            # (`flashdp.make_private(model, ...)` as a statement) never re-opens non-private training; model and
-            # engine are collected together, their hooks with them
-            self._recorder.owner = self
-        else:  # measuring only: dropping it removes its hooks
-            weakref.finalize(self, self._detach)
+        self._hook_into(model, plan, trains)
         self._strategies: dict[str, str] = {}
         #: what the engine trusts about the model, and why (committed by a backward that succeeds)
         self._known = Knowledge(plan)
@@ -126,6 +114,21 @@ class DPEngine:
         self._skipped_samples = 0
         #: called by step() once the clipped sums are in .grad, before the noise (the canary audit adds its own)
         self._before_noise: list[Callable[[], None]] = []
+
+    def _hook_into(self, model: nn.Module, plan: GradientPlan, trains: bool) -> None:
+        """The recorder's forward hooks, the gradient guards, and what `detach()` removes. A training engine lives
+        until `detach()`: the model's hooks hold it, so dropping the returned engine (`flashdp.make_private(model,
+        ...)` as a statement) never re-opens non-private training; model and engine are collected together."""
+        self._recorder = Recorder(plan, self._timer.forward_started, keep_params=self._adapter.reshards_after_forward)
+        self._provenance = GradientProvenance(model if trains else None)
+        # (under FSDP the registered parameters are not the ones autograd accumulates into)
+        watched = {} if self._adapter.reshards_after_forward else {p.name: p.param for p in plan.params}
+        self._grad_writes = GradWrites(watched)
+        self._detach = _Detacher(self._recorder, self._provenance, self._grad_writes, self._adapter, self._hooked)
+        if trains:
+            self._recorder.owner = self
+        else:  # measuring only: dropping it removes its hooks
+            weakref.finalize(self, self._detach)
 
     @property
     def _plan(self) -> GradientPlan:
@@ -172,7 +175,7 @@ class DPEngine:
             self._backward_since_step = True
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
         # an empty batch on one rank of several still runs every pass: the wrappers' collectives must match
-        second_pass = self.settings.second_backward and self._adapter.second_backward
+        second_pass = self.settings.fills_grad_by_second_backward and self._adapter.allows_second_pass
         with self._grad_writes.refusing():
             measured = self._measure(loss, calls, keep_graph=second_pass, keep_for_sum=not second_pass)
         norms, clip_norms_sq = measured.norms, measured.clip_norms_sq
@@ -277,9 +280,11 @@ class DPEngine:
             checking = self._cover_structure(loss, calls, batch, checking)
         # a new structure, and every self-check, verifies that every layer's output rows are per-sample; every rank
         # takes the same decisions (a rank with a batch of one runs the passes too: FSDP collectives)
-        verify = (checking or new_structure) and self._adapter.second_backward
+        verify = (checking or new_structure) and self._adapter.allows_second_pass
         verify &= batch > 1 or self._adapter.world_size > 1
-        unverifiable = self._unverifiable(shapes, batch) if new_structure and not self._adapter.second_backward else []
+        unverifiable = (
+            self._unverifiable(shapes, batch) if new_structure and not self._adapter.allows_second_pass else []
+        )
         verify, checking, refuse = map(bool, self._on_any_rank([verify, checking, bool(unverifiable)], loss.device))
         if refuse:
             raise _unverifiable_error(unverifiable)
@@ -402,7 +407,7 @@ class DPEngine:
             )
             verifying = _Verifying(calls, [self._batch_dims(c) for c in calls], set(shared), batch) if verify else None
             receive = functools.partial(_receive, collector, verifying)
-            sharing = broadcast.per_sample_gradients(list(shared.values()), batch)
+            sharing = shared_outputs.capturing_per_sample_gradients(list(shared.values()), batch)
             with self._timer.phase("norm pass"), self._adapter.norm_pass(), sharing:
                 held = {i for i, _ in shared}
                 # (without verifying, `calls` is handed over: it is emptied, and only the collector holds each call)
@@ -531,11 +536,11 @@ class DPEngine:
         }
         if not any(lacking.values()):
             return []
-        graph = broadcast.parents(loss)
+        graph = shared_outputs.parents(loss)
         return [
             i
             for i, edges in lacking.items()
-            if any(e.node in graph and not broadcast.frontiers(e, graph, batch) for e in edges)
+            if any(e.node in graph and not shared_outputs.frontiers(e, graph, batch) for e in edges)
         ]
 
     # -- the self-check and what it needs -------------------------------------------------------------------
@@ -543,13 +548,13 @@ class DPEngine:
     @property
     def _self_check_enabled(self) -> bool:
         """Not under FSDP1, which cannot run a second pass over one forward."""
-        return self.settings.self_check is not None and self._adapter.second_backward
+        return self.settings.self_check is not None and self._adapter.allows_second_pass
 
     def _plan_changed_check(self) -> bool:
         """A plan changed in this backward is checked at once, even with self_check=None: a module that has just
         become a generic rule site was recorded as a scope, without the outputs that rule's own check of its
         recomputation compares (a forward that mixes samples would go through on this step)."""
-        return self._adapter.second_backward
+        return self._adapter.allows_second_pass
 
     def _self_check_due(self) -> bool:
         """On the first backward, then every `self_check` calls (the same on every rank: it adds passes over
@@ -587,12 +592,12 @@ class DPEngine:
         ]
         if not candidates:
             return {}
-        graph = broadcast.parents(loss)
+        graph = shared_outputs.parents(loss)
         shared = {}
         for i, j, edge, shape in candidates:
-            frontiers = broadcast.frontiers(edge, graph, batch)
+            frontiers = shared_outputs.frontiers(edge, graph, batch)
             if frontiers:
-                shared[(i, j)] = broadcast.SharedOutput(edge, shape, frontiers)
+                shared[(i, j)] = shared_outputs.SharedOutput(edge, shape, frontiers)
                 self._learn(self._known.sharing([id(calls[i].module)]))
         return shared
 
@@ -605,8 +610,8 @@ class DPEngine:
         equal to B by chance), and other layers whose dim 0 is not the batch (NOT_BATCH_FIRST: their parameters
         are to be covered again). REFUSED where that cannot explain the failure: every layer fails (the losses mix
         samples), or the layers were already known not batch-first."""
-        graph = broadcast.parents(loss)
-        shared = {i for i in failing if any(broadcast.frontiers(edge, graph, batch) for edge in calls[i].edges)}
+        graph = shared_outputs.parents(loss)
+        shared = {i for i in failing if any(shared_outputs.frontiers(edge, graph, batch) for edge in calls[i].edges)}
         time_major = {i: d for i in failing if i not in shared and (d := self._time_major_dim(calls[i], batch))}
         others = [i for i in failing if i not in shared and i not in time_major]
         if others and len(set(failing)) == len(calls):  # every layer fails: the losses mix samples

@@ -9,7 +9,7 @@ from torch import nn
 
 import flashdp
 from flashdp import FlashDPError
-from flashdp._pipeline import blocks, self_check
+from flashdp._pipeline import outer_products, self_check
 from tests.oracle import check_against_oracle, per_sample_grads
 from tests.strategies import per_sample_loss
 
@@ -135,7 +135,9 @@ def test_a_contrastive_loss_over_the_batch_is_caught():
 def test_a_wrong_norm_is_caught():
     """A bug in a norm computation (here: the embedding's segment sums off by 20%) is caught by the comparison."""
     model = nn.Sequential(nn.Embedding(9, 4), nn.Linear(4, 2))
-    wrong = mock.patch.object(blocks, "token_norm_sq", lambda block, _f=blocks.token_norm_sq: 0.8 * _f(block))
+    wrong = mock.patch.object(
+        outer_products, "token_norm_sq", lambda block, _f=outer_products.token_norm_sq: 0.8 * _f(block)
+    )
     with wrong, _engine(model) as engine, pytest.raises(FlashDPError, match=rf"(?s){DIFFERS}.*'0.weight'"):
         engine.backward(per_sample_loss(model(torch.randint(0, 9, (3, 6)))))
 

@@ -2,7 +2,7 @@
 
 At `make_private`:
     settings.py     the engine's settings, checked once (`EngineSettings`)
-    scan.py         the gradient plan: the rule counting each trainable parameter (registered rules, else the
+    plan.py         the gradient plan: the rule counting each trainable parameter (registered rules, else the
                     generic one in flashdp.rules.generic), the hooked modules, the clipping groups; params.py:
                     how a parameter is identified whatever wraps the model
 
@@ -16,13 +16,14 @@ Each `engine.backward(loss)`:
     -  coverage     coverage.py: every trainable parameter reaches the loss only inside calls that count it
                     (every backward whose forward structure is not yet verified)
     2. norm pass    norm_pass.py: one autograd pass to those edges (no parameter gradient); each call's output
-                    gradient is handed over as autograd computes it (broadcast.py: per-sample gradients of
+                    gradient is handed over as autograd computes it (shared_outputs.py: per-sample gradients of
                     outputs shared across the batch) to collector.py, where the call's rule turns it into
                     per-sample gradients and a parameter's norms are computed once its last call is in
     -  self-check   self_check.py: on the first backward and every N, what was counted against autograd's own
                     per-sample gradients on the same graph
     3. norms        param_grad.py: per parameter, the exact squared norm of the sum of its contributions and a
-                    `ClippedSumPlan` of what the clipped sum needs (blocks.py: the math on outer-product blocks);
+                    `ClippedSumPlan` of what the clipped sum needs (outer_products.py: the math on outer-product
+                    blocks, and the cost model choosing ghost or direct norms);
                     nonfinite.py: float32 overflow recomputed in float64, NaN / inf samples refused or skipped
     4. coefficients clipping.py: per-sample clipping coefficients from the norms of each clipping group
     5. sums         bk: each plan's `sum_i c_i g_i`; ghost / flash: a second backward of `sum_i c_i loss_i`

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdp._pipeline.broadcast import SharedOutput
 from flashdp._pipeline.norm_pass import OutputGrads, check_call, per_sample_gradients
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice
 from flashdp._pipeline.params import TrainableParam
+from flashdp._pipeline.plan import GradientPlan
 from flashdp._pipeline.recorder import Call, Recorder
-from flashdp._pipeline.scan import GradientPlan
+from flashdp._pipeline.shared_outputs import SharedOutput
 from flashdp.errors import FlashDPError
 from flashdp.kernels import Backend
 from flashdp.kernels import backend as kernels_backend

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import Node, get_gradient_edge
 
 from flashdp._pipeline.norm_pass import batch_mismatch_error
+from flashdp._pipeline.plan import GradientPlan
 from flashdp._pipeline.recorder import Call
-from flashdp._pipeline.scan import GradientPlan
 from flashdp.errors import FlashDPError
 
 #: autograd nodes of activation checkpointing that runs its segment without a graph (torch's reentrant

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, replace
 
-from flashdp._pipeline.scan import GradientPlan
+from flashdp._pipeline.plan import GradientPlan
 
 #: what a verified forward structure rests on (`DPEngine._structure`): the modules called and, per output of a rule
 #: site's call, whether its size at the batch dim is a multiple of B
@@ -25,7 +25,7 @@ class Knowledge:
     #: batch of more than one (a position-wise layer's batch dim; a layer whose rows are not samples)
     plan: GradientPlan
     #: modules whose outputs were found shared across the batch: without the batch dim, broadcast over it by a
-    #: later op whose batch dim is the only one of size B (`broadcast.frontiers`), on a batch of more than one
+    #: later op whose batch dim is the only one of size B (`shared_outputs.frontiers`), on a batch of more than one
     shared_sites: frozenset[int] = frozenset()
     #: modules whose outputs' rows were found not to be samples by the verifying pass, although their number is B
     not_batch_first: frozenset[int] = frozenset()

@@ -11,8 +11,8 @@ from torch import Tensor
 from torch.autograd.graph import Node
 
 from flashdp._pipeline.params import attribute
+from flashdp._pipeline.plan import Site
 from flashdp._pipeline.recorder import Call
-from flashdp._pipeline.scan import Site
 from flashdp.errors import FlashDPError
 from flashdp.per_sample import LayerCall, PerSampleGrad
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from flashdp import kernels
-from flashdp._pipeline import blocks
+from flashdp._pipeline import outer_products
 from flashdp.errors import FlashDPError
 from flashdp.kernels.outer_norm.reference import ghost_inner, per_sample, sum_of_squares
 from flashdp.per_sample import OuterGrad, PerSampleGrad, accumulation_dtype
@@ -41,7 +41,7 @@ class ClippedSumPlan:
             f = self.factors
             parts.append(kernels.clipped_sum(f.left, f.right, coef, f.conv_groups))
         if self.tokens is not None:
-            parts.append(blocks.token_clipped_sum(self.tokens, coef))
+            parts.append(outer_products.token_clipped_sum(self.tokens, coef))
         return functools.reduce(torch.add, (p.reshape(self.shape) for p in parts))
 
     def dropping(self, keep: Tensor) -> ClippedSumPlan:
@@ -138,7 +138,7 @@ class ParamGradient:
         """The `[B]` squared norms, and with `keep_for_sum` the plan of the clipped sum."""
         if self.per_sample is not None and self.blocks:  # a tied parameter, one of its layers materialising
             self.per_sample = self.per_sample + sum(
-                blocks.materialise(b, self.batch_size).view(self.per_sample.shape) for b in self.blocks
+                outer_products.materialise(b, self.batch_size).view(self.per_sample.shape) for b in self.blocks
             )
             self.blocks = []
         if self.per_sample is not None:
@@ -158,8 +158,8 @@ class ParamGradient:
         dtype = accumulation_dtype(*(b.right for b in self.blocks))
         dense = [b for b in self.blocks if not b.is_tokens]
         tokens = [b for b in self.blocks if b.is_tokens]
-        token_block = blocks.concat_positions(tokens) if tokens else None
-        factors = blocks.concat_positions(dense) if dense else None
+        token_block = outer_products.concat_positions(tokens) if tokens else None
+        factors = outer_products.concat_positions(dense) if dense else None
         materialised = None
         total = self.blocks[0].right.new_zeros(self.blocks[0].right.shape[0], dtype=dtype)
         strategies = []
@@ -171,7 +171,7 @@ class ParamGradient:
                 materialised = per_sample(factors.left, factors.right, dtype)
                 total += sum_of_squares(materialised)
                 if token_block is not None:
-                    total += 2 * blocks.token_inner_with_per_sample(materialised, token_block)
+                    total += 2 * outer_products.token_inner_with_per_sample(materialised, token_block)
                 factors = None
             else:  # the norm alone: a kernel where it can run, never the per-sample gradient
                 norm = kernels.outer_direct_norm_sq if strategy == "direct" else kernels.outer_ghost_norm_sq
@@ -180,7 +180,7 @@ class ParamGradient:
                     total += 2 * ghost_inner(factors, token_block)
         if token_block is not None:
             strategies.append("tokens")
-            total += blocks.token_norm_sq(token_block)
+            total += outer_products.token_norm_sq(token_block)
         plan = None
         if keep_for_sum:
             if materialised is not None:
@@ -193,7 +193,7 @@ class ParamGradient:
         if self.strategy_choice != "auto":
             return self.strategy_choice
         p, d = factors.block_shape
-        return blocks.norm_strategy(factors.right.shape[1], p, d)
+        return outer_products.norm_strategy(factors.right.shape[1], p, d)
 
 
 def _float64(block: OuterGrad) -> OuterGrad:

@@ -15,7 +15,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_leaves, tree_map
 
 from flashdp._pipeline.params import attribute
-from flashdp._pipeline.scan import GradientPlan, Site
+from flashdp._pipeline.plan import GradientPlan, Site
 from flashdp.errors import FlashDPError
 from flashdp.per_sample import OutputMeta, RngState, rng_state
 

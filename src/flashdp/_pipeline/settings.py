@@ -46,7 +46,7 @@ class EngineSettings:
         _check_choice("clipping", self.clipping, CLIPPING_STYLES)
         _check_choice("norm_strategy", self.norm_strategy, NORM_STRATEGIES)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        if self.nonfinite == "skip" and self.second_backward:
+        if self.nonfinite == "skip" and self.fills_grad_by_second_backward:
             raise FlashDPError(
                 f"nonfinite='skip' needs mode='bk' (or per_layer clipping): mode={self.mode!r} fills .grad by a "
                 "second backward, which carries a skipped sample's NaN into every parameter (0 * NaN is NaN). Use "
@@ -82,7 +82,7 @@ class EngineSettings:
         return self.kernels
 
     @property
-    def second_backward(self) -> bool:
+    def fills_grad_by_second_backward(self) -> bool:
         """ghost and flash fill `.grad` by a second backward, except per-layer clipping, which needs bk's sums."""
         return self.mode in ("ghost", "flash") and self.clipping != "per_layer"
 

@@ -19,8 +19,9 @@ class Adapter:
     world_size = 1
     #: the data-parallel group, whose ranks hold different samples (None: one process)
     dp_group: dist.ProcessGroup | None = None
-    #: whether ghost and flash may run a second backward over the graph of the norm pass
-    second_backward = True
+    #: whether the wrapper allows a second backward over the graph of the norm pass (ghost's and flash's clipped
+    #: sums, the verifying pass, the self-check)
+    allows_second_pass = True
     #: whether the wrapper registers other parameter objects during the forward (FSDP2's unsharded ones), so that
     #: only names, not identities, of the registered parameters stay the same
     swaps_parameters = False

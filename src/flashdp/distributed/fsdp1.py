@@ -61,7 +61,7 @@ class _Layout:
 
 
 class FSDP1Adapter(ShardedAdapter):
-    second_backward = False
+    allows_second_pass = False
 
     def __init__(self, model: nn.Module, timer: PhaseTimer) -> None:
         wrapped = FSDP.fsdp_modules(model)

@@ -4,7 +4,7 @@ Importing this package registers the built-in rules.
 """
 
 from flashdp.per_sample import OuterGrad, PerSampleGrad, TokenRows
-from flashdp.rules import activations, attention, conv, embedding, linear, norms, recurrent
+from flashdp.rules import activations, attention, conv, embedding, linear, normalization, recurrent
 from flashdp.rules.registry import Rule, RuleMatch, find_rule, register_rule
 
 __all__ = [
@@ -19,7 +19,7 @@ __all__ = [
     "embedding",
     "find_rule",
     "linear",
-    "norms",
+    "normalization",
     "recurrent",
     "register_rule",
 ]

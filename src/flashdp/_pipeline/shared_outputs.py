@@ -109,7 +109,7 @@ def _introduces_batch(ours: torch.Size, theirs: torch.Size, batch: int) -> bool:
 
 
 @contextlib.contextmanager
-def per_sample_gradients(shared: list[SharedOutput], batch: int) -> Iterator[None]:
+def capturing_per_sample_gradients(shared: list[SharedOutput], batch: int) -> Iterator[None]:
     """While active (around the norm pass), fill each shared output's `per_sample` `[B, *shape]`."""
     busy = [False]  # the vjps below re-enter autograd through the same frontier nodes
     handles = []

@@ -19,7 +19,7 @@ from flashdp._pipeline.params import ParamView, ParamViews, TrainableParam, loca
 from flashdp.errors import FlashDPError
 from flashdp.rules import RuleMatch, find_rule
 from flashdp.rules.generic import GENERIC
-from flashdp.rules.norms import RUNNING_STATS_LEAK
+from flashdp.rules.normalization import RUNNING_STATS_LEAK
 
 #: Layer types whose output for one sample depends on the other samples of the batch.
 SAMPLE_MIXING = (nn.modules.batchnorm._BatchNorm,)

@@ -24,7 +24,7 @@ from flashdp._pipeline import coverage, guards, nonfinite, self_check, shared_ou
 from flashdp._pipeline.clipping import Clipping, clip_coefficients
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
 from flashdp._pipeline.grad_writes import GradWrites
-from flashdp._pipeline.knowledge import Knowledge
+from flashdp._pipeline.knowledge import Knowledge, SelfCheckSchedule
 from flashdp._pipeline.norm_pass import batch_dims, stream_output_gradients
 from flashdp._pipeline.param_grad import ParamNorm, StrategyChoice
 from flashdp._pipeline.params import TrainableParam
@@ -106,7 +106,9 @@ class DPEngine:
         self._hook_into(model, plan, trains)
         self._strategies: dict[str, str] = {}
         #: what the engine trusts about the model, and why (committed by a backward that succeeds)
-        self._known = Knowledge(plan)
+        # (not under FSDP1, which cannot run a second pass over one forward)
+        interval = settings.self_check if self._adapter.allows_second_pass else None
+        self._known = Knowledge(plan, self_check=SelfCheckSchedule(interval))
         self._backward_calls = 0
         # the same on every rank: TP ranks must weight the losses alike, FSDP ranks run the same passes
         self._check_generator = torch.Generator().manual_seed(0)
@@ -273,7 +275,7 @@ class DPEngine:
 
     def _measure_checked(self, loss: Tensor, calls: list[Call], keep_graph: bool, keep_for_sum: bool) -> _Measured:
         batch = loss.shape[0]
-        checking = self._self_check_due()
+        checking = self._next_self_check()
         shapes = [_CallShape(call.module, call.output_meta) for call in calls]
         new_structure = self._structure(shapes, batch) not in self._known.verified
         if checking or new_structure:
@@ -545,29 +547,19 @@ class DPEngine:
 
     # -- the self-check and what it needs -------------------------------------------------------------------
 
-    @property
-    def _self_check_enabled(self) -> bool:
-        """Not under FSDP1, which cannot run a second pass over one forward."""
-        return self.settings.self_check is not None and self._adapter.allows_second_pass
-
     def _plan_changed_check(self) -> bool:
         """A plan changed in this backward is checked at once, even with self_check=None: a module that has just
         become a generic rule site was recorded as a scope, without the outputs that rule's own check of its
         recomputation compares (a forward that mixes samples would go through on this step)."""
         return self._adapter.allows_second_pass
 
-    def _self_check_due(self) -> bool:
-        """On the first backward, then every `self_check` calls (the same on every rank: it adds passes over
-        the graph, which run collectives under FSDP2)."""
+    def _next_self_check(self) -> bool:
+        """Whether this backward runs the self-check (`SelfCheckSchedule`); if it does, the schedule learns so."""
         index, self._backward_calls = self._backward_calls, self._backward_calls + 1
-        interval = self.settings.self_check
-        if not self._self_check_enabled:
-            return False
-        last = self._known.last_self_check
-        if last is not None and index - last < interval:
-            return False
-        self._learn(self._known.self_checked(index))
-        return True
+        due = self._known.self_check.due(index)
+        if due:
+            self._learn(self._known.self_checked(index))
+        return due
 
     def _batch_independence(self, loss: Tensor, calls: list[Call], verifying: _Verifying) -> list[int]:
         """The calls whose output rows are not per-sample (batch independence, the self-check's first part)."""

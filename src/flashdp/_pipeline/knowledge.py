@@ -18,6 +18,22 @@ Structure = tuple[Hashable, ...]
 
 
 @dataclass(frozen=True)
+class SelfCheckSchedule:
+    """When the per-sample self-check runs: on the first backward, then every `interval` backwards (None: never;
+    the same on every rank, since it adds passes that run collectives under FSDP2)."""
+
+    interval: int | None
+    #: the backward index of the last self-check
+    last: int | None = None
+
+    def due(self, index: int) -> bool:
+        return self.interval is not None and (self.last is None or index - self.last >= self.interval)
+
+    def ran(self, index: int) -> SelfCheckSchedule:
+        return replace(self, last=index)
+
+
+@dataclass(frozen=True)
 class Knowledge:
     #: which rule counts each parameter. Changed by: a module's first call, whose forward is checked against its
     #: rule's on values of the check's own (`Recorder`: a scale, or the generic rule); the coverage walk (a
@@ -32,8 +48,8 @@ class Knowledge:
     #: forward structures covered under this plan and verified on a batch of more than one (or, under a wrapper
     #: that cannot verify, whose sizes decided the layout alone); a batch of one verifies nothing
     verified: frozenset[Structure] = field(default_factory=frozenset)
-    #: the backward index of the last self-check, which schedules the next
-    last_self_check: int | None = None
+    #: when the self-check runs; a backward that fails does not count as having run it
+    self_check: SelfCheckSchedule = SelfCheckSchedule(None)
 
     def with_plan(self, plan: GradientPlan) -> Knowledge:
         """Another plan: every structure is verified again under it."""
@@ -55,4 +71,4 @@ class Knowledge:
         return replace(self, verified=self.verified | added) if added else self
 
     def self_checked(self, index: int) -> Knowledge:
-        return replace(self, last_self_check=index)
+        return replace(self, self_check=self.self_check.ran(index))

@@ -100,13 +100,19 @@ def check_against_oracle(
     assert norms.dtype == torch.float32 and norms.shape == (batch,) and not norms.requires_grad
     norm_tol = max(1e-6, rtol)
     torch.testing.assert_close(norms.double(), expected_norms.double(), rtol=norm_tol, atol=norm_tol)
+    assert_clipped_sums(model, expected_sums, rtol)
+    return norms
+
+
+def assert_clipped_sums(model: nn.Module, expected_sums: dict[str, Tensor], rtol: float, where: str = "") -> None:
+    """Every trainable parameter's `.grad` against the oracle's clipped sum (absolute tolerance scaled by its size);
+    `where` prefixes the failure message."""
     got = grads_of(model)
     for name, expected in expected_sums.items():
         scale = float(expected.abs().max()) if expected.numel() else 0.0
         torch.testing.assert_close(
-            got[name], expected, rtol=rtol, atol=rtol * (1 + scale), msg=lambda m, name=name: f"{name}: {m}"
+            got[name], expected, rtol=rtol, atol=rtol * (1 + scale), msg=lambda m, name=name: f"{where}{name}: {m}"
         )
-    return norms
 
 
 def materialised(block: OuterGrad) -> Tensor:

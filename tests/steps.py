@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 import flashdp
-from tests.oracle import clip, grads_of, per_sample_grads
+from tests.oracle import assert_clipped_sums, clip, per_sample_grads
 
 #: batch -> [B] per-sample losses of the model on that batch
 LossOf = Callable[[nn.Module, object], Tensor]
@@ -48,15 +48,6 @@ def check_steps(
             torch.testing.assert_close(
                 norms.double(), expected_norms, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}"
             )
-            got = grads_of(model)
-            for name, expected in expected_sums.items():
-                scale = float(expected.abs().max()) if expected.numel() else 0.0
-                torch.testing.assert_close(
-                    got[name],
-                    expected,
-                    rtol=rtol,
-                    atol=rtol * (1 + scale),
-                    msg=lambda m, n=name, w=where: f"{w}, {n}: {m}",
-                )
+            assert_clipped_sums(model, expected_sums, rtol, where=f"{where}, ")
     finally:
         engine.detach()

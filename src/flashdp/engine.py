@@ -322,7 +322,8 @@ class DPEngine:
             skipped = nonfinite.nonfinite_samples(self.settings.nonfinite, clip_norms_sq, norms, self._adapter.dp_group)
             if checking:
                 self._check_per_sample(loss, norms, held, self_check.tolerance(dtypes), retain_graph=keep_graph)
-        if batch > 1 and decided:  # a batch of one decides no layout: every dim fits it, its rows are all its own
+        # a batch of one decides no layout: every dim fits it, its rows are all its own
+        if batch > 1 and decided and (verify or new_structure):
             self._learn(self._known.verifying(self._structure(shapes, batch), self._structure(shapes, 1)))
         return _Measured(norms, clip_norms_sq, skipped)
 
@@ -355,9 +356,9 @@ class DPEngine:
         """Under a wrapper that cannot run a verifying pass (FSDP1), where sizes alone cannot tell the batch dim: the
         calls with B in more than one dim before the features (label, output shape, those dims)."""
         found = []
-        for call in calls:
+        for call in calls if batch > 1 else ():
             site = self._plan.site(call.module)
-            if batch < 2 or site.match is None:
+            if site.match is None:
                 continue
             for meta, dim in zip(call.output_meta, self._batch_dims(call), strict=True):
                 dims = {d for d in range(len(meta.shape) - 1) if meta.shape[d] == batch}
@@ -436,9 +437,7 @@ class DPEngine:
         """Why a verifying pass refuses: a rule's error once the layout is verified, layers whose rows are not
         samples, or (on the other ranks: every rank stops together) another rank's refusal."""
         if not refused_here:
-            return FlashDPError(
-                "Another rank refused this backward (its error names the cause); every rank stops together."
-            )
+            return _another_rank_refused()
         if not failing:
             return errors[0]
         sites = [self._plan.site(c.module).label for c in calls]
@@ -903,11 +902,13 @@ def _group_norms_sq(norms: list[tuple[TrainableParam, ParamNorm]], groups: int, 
     return total
 
 
+def _another_rank_refused() -> FlashDPError:
+    return FlashDPError("Another rank refused this backward (its error names the cause); every rank stops together.")
+
+
 def _unverifiable_error(found: list[tuple[str, torch.Size, list[int]]]) -> FlashDPError:
     if not found:
-        return FlashDPError(
-            "Another rank refused this backward (its error names the cause); every rank stops together."
-        )
+        return _another_rank_refused()
     label, shape, dims = found[0]
     more = f" (and {len(found) - 1} more layers)" if len(found) > 1 else ""
     return FlashDPError(

@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import Tensor
 
+from flashdp._pipeline.provenance import quoted_names
 from flashdp.errors import FlashDPError
 
 #: a gradient as found: the tensor and its version, or None
@@ -60,12 +61,12 @@ class GradWrites:
             or set(p._post_accumulate_grad_hooks or ()) - self._own_hooks
         ]
         if hooked:
-            shown = ", ".join(repr(n) for n in hooked[:5]) + (f" and {len(hooked) - 5} more" if len(hooked) > 5 else "")
             raise FlashDPError(
-                f"Parameters {shown} have a gradient hook (Tensor.register_hook or register_post_accumulate_grad_hook) "
-                "that flashdp did not add. It would change their gradient outside per-sample clipping (ghost and flash "
-                "fill .grad through autograd after clipping), or be skipped (bk writes .grad itself). Remove the hook; "
-                "transform activations' gradients instead, or the per-sample losses."
+                f"Parameters {quoted_names(hooked)} have a gradient hook (Tensor.register_hook or "
+                "register_post_accumulate_grad_hook) that flashdp did not add. It would change their gradient "
+                "outside per-sample clipping (ghost and flash fill .grad through autograd after clipping), or be "
+                "skipped (bk writes .grad itself). Remove the hook; transform activations' gradients instead, or the "
+                "per-sample losses."
             )
 
     @contextlib.contextmanager
@@ -133,12 +134,12 @@ def _same(a: _State, b: _State) -> bool:
 
 
 def _foreign_write_error(names: list[str]) -> FlashDPError:
-    shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     return FlashDPError(
-        f"During engine.backward, something other than flashdp wrote to the .grad of {shown}: a gradient that no "
-        "per-sample norm counted. Likely cause: a custom torch.autograd.Function whose backward calls .backward() or "
-        "torch.autograd.backward itself (reversible layers, e.g. HF Reformer), a hook that assigns or adds to a "
-        ".grad, or a .backward() inside the model's forward. Compute those layers' gradients through autograd's "
-        "graph (a plain forward, or torch.utils.checkpoint with use_reentrant=False) and leave .grad to flashdp. "
-        "Their .grad was put back as it was before this backward (or cleared where it was changed in place)."
+        f"During engine.backward, something other than flashdp wrote to the .grad of {quoted_names(names)}: a "
+        "gradient that no per-sample norm counted. Likely cause: a custom torch.autograd.Function whose backward "
+        "calls .backward() or torch.autograd.backward itself (reversible layers, e.g. HF Reformer), a hook that "
+        "assigns or adds to a .grad, or a .backward() inside the model's forward. Compute those layers' gradients "
+        "through autograd's graph (a plain forward, or torch.utils.checkpoint with use_reentrant=False) and leave "
+        ".grad to flashdp. Their .grad was put back as it was before this backward (or cleared where it was changed "
+        "in place)."
     )

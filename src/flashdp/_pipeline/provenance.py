@@ -46,9 +46,9 @@ class GradientProvenance:
         foreign = self._foreign(gradients)
         if foreign and self._fingerprints is None:
             raise FlashDPError(
-                f"Parameters {_names(foreign)} already have a gradient that engine.backward did not produce (left "
-                "from a plain loss.backward(), or from before make_private). It would be noised and stepped as if it "
-                "were private. Clear it first: optimizer.zero_grad() or model.zero_grad()."
+                f"Parameters {quoted_names(foreign)} already have a gradient that engine.backward did not produce "
+                "(left from a plain loss.backward(), or from before make_private). It would be noised and stepped as "
+                "if it were private. Clear it first: optimizer.zero_grad() or model.zero_grad()."
             )
         if foreign:
             self._refuse_changed(foreign, "engine.backward")
@@ -87,10 +87,10 @@ class GradientProvenance:
 
     def _refuse_changed(self, names: list[str], where: str) -> None:
         raise FlashDPError(
-            f"The gradients of {_names(names)} changed between engine.backward and {where}: a plain loss.backward() "
-            "or an in-place change (gradient clipping, rescaling). Only engine.backward may produce the gradients "
-            "engine.step noises; post-processing them before the noise breaks the privacy guarantee. Remove that "
-            "call."
+            f"The gradients of {quoted_names(names)} changed between engine.backward and {where}: a plain "
+            "loss.backward() or an in-place change (gradient clipping, rescaling). Only engine.backward may produce "
+            "the gradients engine.step noises; post-processing them before the noise breaks the privacy guarantee. "
+            "Remove that call."
         )
 
     def _refuse_foreign_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -116,6 +116,7 @@ def _same(fingerprint: tuple[Tensor, int] | None, g: Tensor) -> bool:
     return fingerprint is not None and fingerprint[0] is g and fingerprint[1] == g._version
 
 
-def _names(names: list[str]) -> str:
+def quoted_names(names: list[str]) -> str:
+    """Up to five names, quoted, and how many more: for messages naming parameters."""
     shown = ", ".join(repr(n) for n in names[:5])
     return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")

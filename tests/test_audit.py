@@ -8,7 +8,7 @@ from scipy import stats
 from torch import nn
 
 import flashdp
-import flashdp.engine
+import flashdp.noisy_step
 from flashdp import FlashDPError
 from flashdp.audit import CanaryAudit, epsilon_lower_bound
 
@@ -45,17 +45,19 @@ def test_a_correct_run_shows_no_violation():
 
 
 def _no_clipping(engine, monkeypatch):
-    monkeypatch.setattr(flashdp.engine, "clip_coefficients", lambda style, norms_sq, c: torch.ones_like(norms_sq))
+    monkeypatch.setattr(flashdp.noisy_step, "clip_coefficients", lambda style, norms_sq, c: torch.ones_like(norms_sq))
 
 
 def _no_noise(engine, monkeypatch):
-    monkeypatch.setattr(engine._noise, "gaussian", lambda shape, std, device, dtype: torch.zeros(shape, dtype=dtype))
+    monkeypatch.setattr(
+        engine.noisy_step.noise, "gaussian", lambda shape, std, device, dtype: torch.zeros(shape, dtype=dtype)
+    )
 
 
 def _noise_a_tenth_of_the_accounted(engine, monkeypatch):
-    draw = engine._noise.gaussian
+    draw = engine.noisy_step.noise.gaussian
     monkeypatch.setattr(
-        engine._noise, "gaussian", lambda shape, std, device, dtype: draw(shape, std / 10, device, dtype)
+        engine.noisy_step.noise, "gaussian", lambda shape, std, device, dtype: draw(shape, std / 10, device, dtype)
     )
 
 

@@ -167,7 +167,7 @@ def test_under_no_grad_nothing_is_recorded():
     model = _mlp()
     with flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=1.0) as engine, torch.no_grad():
         model(torch.randn(2, 4, dtype=torch.float64))
-        assert engine._recorder.calls == []
+        assert engine._attachment.recorder.calls == []
 
 
 def test_strategies_follow_the_cost_model_per_batch_shape():

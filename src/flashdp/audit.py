@@ -85,9 +85,10 @@ class CanaryAudit:
     ) -> None:
         if engine.sample_rate is None:
             raise FlashDPError("The audit samples canaries like records: make_private(..., sample_rate=q) is needed.")
-        if engine._adapter.world_size > 1:
+        step = engine.noisy_step
+        if step.world_size > 1:
             raise FlashDPError("The audit runs in one process: it does not support DDP or FSDP.")
-        holders = engine._adapter.gradient_holders(engine._plan.params)
+        holders = step.parameters()
         sizes = [p.numel() for p in holders]
         if not (isinstance(canaries, int) and 2 <= canaries <= sum(sizes)):
             raise FlashDPError(
@@ -110,7 +111,7 @@ class CanaryAudit:
         self._signs = torch.randint(0, 2, (canaries,), generator=self._generator).float() * 2 - 1
         self.included = torch.rand(canaries, generator=self._generator) < 0.5
         self._start = self._coordinates().clone()
-        engine._before_noise.append(self._add_canaries)
+        self._hook = step.register_hook(self._add_canaries)
 
     def _coordinates(self) -> Tensor:
         """`[m]` the canaries' coordinates of the parameters, float64."""
@@ -127,12 +128,12 @@ class CanaryAudit:
         chosen = sampled.nonzero().flatten()
         if not len(chosen):
             return
-        groups = len(engine._plan.clip_group_names)
+        groups, group_of_param = engine.noisy_step.clip_groups()
         norm = CANARY_NORM_IN_C * engine.max_grad_norm
-        group_of = torch.tensor([engine._plan.params[int(self._param_index[k])].clip_group for k in chosen])
+        group_of = torch.tensor(group_of_param)[self._param_index[chosen]]
         norms_sq = torch.zeros(groups, len(chosen), dtype=torch.float64)
         norms_sq[group_of, torch.arange(len(chosen))] = norm**2
-        coef = engine._clip_coefficients(norms_sq)
+        coef = engine.noisy_step.clip_coefficients(norms_sq)
         contribution = coef[group_of, torch.arange(len(chosen))] * norm * self._signs[chosen].double()
         with torch.no_grad():
             for k, value in zip(chosen.tolist(), contribution.tolist(), strict=True):
@@ -154,8 +155,7 @@ class CanaryAudit:
 
     def detach(self) -> None:
         """Stop adding canaries (the run's parameters keep what they received)."""
-        if self._add_canaries in self.engine._before_noise:
-            self.engine._before_noise.remove(self._add_canaries)
+        self._hook.remove()
 
 
 def epsilon_lower_bound(guesses: int, correct: int, canaries: int, delta: float, beta: float) -> float:

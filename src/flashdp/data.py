@@ -80,6 +80,20 @@ class EmptyBatchCollate:
         return _map_tensors(self.collate_fn([self.dataset[0]]), lambda t: t[:0])
 
 
+def check_loader_rate(sample_rate: float | None, expected_batch_size: int | None, size: int) -> None:
+    """An engine's loader samples at its `sample_rate`, which must agree with the `expected_batch_size` it averages
+    by over a dataset of `size` records."""
+    if sample_rate is None:
+        raise FlashDPError("engine.data_loader() samples at the engine's rate: make_private(..., sample_rate=q).")
+    expected = sample_rate * size
+    if expected_batch_size is not None and abs(expected - expected_batch_size) > max(1.0, 0.01 * expected_batch_size):
+        raise FlashDPError(
+            f"sample_rate * len(dataset) = {sample_rate} * {size} = {expected:.1f}, but the engine averages by "
+            f"expected_batch_size={expected_batch_size}. Give make_private expected_batch_size={round(expected)} "
+            f"(or sample_rate={expected_batch_size / size:.6g})."
+        )
+
+
 def poisson_loader(
     dataset: Dataset,
     sample_rate: float,

@@ -72,7 +72,7 @@ def test_a_deep_copy_made_while_attached_records_nothing():
     with _engine(model) as engine:
         copied = copy.deepcopy(model)
         copied(torch.randn(2, 4, dtype=torch.float64))
-        assert engine._recorder.calls == []
+        assert engine._attachment.recorder.calls == []
 
 
 def test_parameters_replaced_by_load_state_dict_assign_are_refused():

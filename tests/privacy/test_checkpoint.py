@@ -42,7 +42,7 @@ def test_an_unseeded_checkpoint_holds_no_noise_secret_and_a_resumed_run_draws_fr
     _noise_of_next_step(model, engine)
     state, weights = engine.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
     assert state["noise"] == {"kind": "secret"}  # no seed, no generator state
-    saved_generators = [g.get_state() for g in engine._noise._generators.values()]
+    saved_generators = [g.get_state() for g in engine.noisy_step.noise._generators.values()]
     assert not any(bytes(s.numpy()) in _state_bytes(state) for s in saved_generators)
 
     continued = _noise_of_next_step(model, engine)

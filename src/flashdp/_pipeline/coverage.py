@@ -250,3 +250,21 @@ def refuse(uses: list[Use]) -> None:
             "rule counts it): call the layer itself (not F.linear(x, layer.weight) outside the model), or freeze the "
             "parameter."
         )
+
+
+def no_forward_error(
+    loss: Tensor, plan: GradientPlan, registered: Iterable[tuple[str, Tensor]], clipped: bool
+) -> FlashDPError:
+    """Why a backward found no recorded forward: its loss was `clipped` already, a parameter is used outside the
+    layers that record (refused here), or the forward ran without gradients."""
+    if clipped:
+        return FlashDPError(
+            "engine.backward() was already called on this forward's loss: each forward is clipped once. Run a "
+            "new forward for the next backward."
+        )
+    refuse(walk(loss, [], plan, registered).uses)
+    return FlashDPError(
+        "engine.backward() found no forward pass to clip since the last backward: run the model's forward with "
+        "gradients enabled (not under torch.no_grad()) after make_private and before backward, once per "
+        "backward. If the loss reaches no trainable layer at all, it does not depend on the model."
+    )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from flashdp._pipeline.plan import GradientPlan
 
-#: what a verified forward structure rests on (`DPEngine._structure`): the modules called and, per output of a rule
+#: what a verified forward structure rests on (`layout.structure`): the modules called and, per output of a rule
 #: site's call, whether its size at the batch dim is a multiple of B
 Structure = tuple[Hashable, ...]
 

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import Node
 
+from flashdp._pipeline.loss_graph import LossGraph
 from flashdp._pipeline.params import attribute
 from flashdp._pipeline.plan import Site
 from flashdp._pipeline.recorder import Call
@@ -41,15 +42,16 @@ def output_gradients(loss: Tensor, calls: Sequence[Call], retain_graph: bool) ->
 
 
 def stream_output_gradients(
-    loss: Tensor,
+    graph: LossGraph,
     calls: list[Call],
     receive: Callable[[int, OutputGrads], None],
     held: Collection[int],
     retain_graph: bool,
     prepare: Callable[[int], None] = lambda index: None,
 ) -> None:
-    """`output_gradients`, handed to `receive(index, grads)` call by call; each gradient of a one-output call not
-    in `held` is handed over as autograd computes it and lives no longer than in a plain backward.
+    """`output_gradients` of `graph.loss`, handed to `receive(index, grads)` call by call; each gradient of a
+    one-output call not in `held` is handed over as autograd computes it and lives no longer than in a plain
+    backward.
 
     Autograd keeps every gradient it is asked for until the pass ends. So only the gradients at the bottom of the
     graph are asked for: those of `held` calls, and of calls below which no other call's output lies. Every other
@@ -57,8 +59,8 @@ def stream_output_gradients(
     gradient flowing in. `calls` is emptied: this function keeps only the edges of the calls it does not ask
     autograd about (whoever receives a call's gradients holds the call). `prepare(index)` runs for each asked
     call as the pass begins, before any of the graph is freed (to unpack its inputs: `Call.unpacked`)."""
-    edges = {(e.node, e.output_nr) for c in calls for e in c.edges}
-    above = _above_other_edges(loss, edges)
+    loss = graph.loss
+    above = graph.above({(e.node, e.output_nr) for c in calls for e in c.edges})
     single = {
         i: c.edges[0] for i, c in enumerate(calls) if i not in held and len(c.edges) == 1 and c.edges[0].node in above
     }
@@ -108,24 +110,6 @@ class _Handover:
         self.ran = True
         for output_nr, index in self.slots:
             self.receive(index, (grad_outputs[output_nr],))
-
-
-def _above_other_edges(loss: Tensor, edges: Collection[tuple[Node, int]]) -> set[Node]:
-    """The nodes reachable from the loss from which one of `edges` (node, input slot) is reachable by at least
-    one step: autograd runs them to compute that edge's gradient. One walk over the graph."""
-    reaches: dict[Node, bool] = {}
-    pending: list[tuple[Node, bool]] = [(loss.grad_fn, False)] if loss.grad_fn is not None else []
-    while pending:
-        node, children_done = pending.pop()
-        if children_done:
-            reaches[node] = any(
-                child is not None and ((child, nr) in edges or reaches[child]) for child, nr in node.next_functions
-            )
-        elif node not in reaches:
-            reaches[node] = False  # (a DAG: set for real once its children are done)
-            pending.append((node, True))
-            pending.extend((child, False) for child, _ in node.next_functions if child is not None)
-    return {node for node, above in reaches.items() if above}
 
 
 def _feeding_outputs(call: Call) -> dict[int, list[int]]:

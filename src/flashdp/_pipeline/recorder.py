@@ -116,16 +116,27 @@ def _packed(tree: object, hooks: tuple[Callable, Callable]) -> object:
     return tree_map(lambda x: _Packed(pack(x), unpack) if isinstance(x, Tensor) else x, tree)
 
 
+@dataclass(frozen=True)
+class Forward:
+    """What one forward recorded: its calls, in order, and the plan they were recorded under: the engine's, with
+    the forward's own verdicts on modules whose rule is checked on their first call (`Site.match.verify_with`:
+    the rule's scale, or the generic rule)."""
+
+    calls: list[Call]
+    plan: GradientPlan
+
+
 class Recorder:
     """Records calls made with gradients enabled, outside any backward pass (a non-reentrant checkpoint
     recomputes its segment inside the backward: those calls are not the forward's) and outside the engine's own
-    recomputations (`paused`); `take()` hands them over and forgets them.
+    recomputations (`paused`); `take()` hands them over and forgets them. It records under the plan it was last
+    told to `follow`, and never changes the engine's.
 
     keep_params: a wrapper replaces parameters after the forward (FSDP): generic sites copy theirs.
     """
 
     def __init__(self, plan: GradientPlan, on_call: Callable[[], None] = lambda: None, keep_params: bool = False):
-        self.plan = plan
+        self._plan = plan
         self.calls: list[Call] = []
         #: what the model's hooks keep alive with the recorder (a training engine: it lives until detached)
         self.owner: object | None = None
@@ -146,7 +157,7 @@ class Recorder:
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Save the random state where the module's forward will draw random numbers (its rule replays them)."""
-        site = self.plan.sites.get(id(module))
+        site = self._plan.sites.get(id(module))
         if site is not None and site.match is not None and site.match.rule.random and site.match.rule.random(module):
             device = next((t.device for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)), None)
             self._rng_states.setdefault(id(module), []).append(rng_state(device))
@@ -156,7 +167,7 @@ class Recorder:
         rng = saved.pop() if saved else None
         if self._paused or not torch.is_grad_enabled():
             return
-        site = self.plan.sites.get(id(module))
+        site = self._plan.sites.get(id(module))
         if site is None:
             return
         leaves = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
@@ -169,8 +180,8 @@ class Recorder:
         if site.match is not None and site.match.verify_with is not None:  # (the plan it gives has none)
             scale = _scale_of_its_rule(site, args or tuple(kwargs.values()), output)
             # a module that does not compute what its registered rule assumes gets the generic rule instead
-            self.plan = self.plan.with_generic(module) if scale is None else self.plan.with_scale(module, scale)
-            site = self.plan.site(module)
+            self._plan = self._plan.with_generic(module) if scale is None else self._plan.with_scale(module, scale)
+            site = self._plan.site(module)
         if site.match is not None:
             _check_call(site, args, kwargs, output)
         if not slots:
@@ -214,9 +225,13 @@ class Recorder:
         finally:
             self._paused = False
 
-    def take(self) -> list[Call]:
+    def follow(self, plan: GradientPlan) -> None:
+        """Record the next forwards under `plan` (the engine's, once a backward committed it)."""
+        self._plan = plan
+
+    def take(self) -> Forward:
         calls, self.calls = self.calls, []
-        return calls
+        return Forward(calls, self._plan)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flashdp._pipeline.loss_graph import LossGraph
 from flashdp._pipeline.norm_pass import stream_output_gradients
 from flashdp._pipeline.param_grad import ClippedSumPlan
 from flashdp._pipeline.recorder import Call
@@ -160,7 +161,7 @@ def batch_independence_failures(
                 failing.append(index)
                 return
 
-    stream_output_gradients(weighted_loss, list(calls), compare, held=(), retain_graph=True)
+    stream_output_gradients(LossGraph(weighted_loss), list(calls), compare, held=(), retain_graph=True)
     return sorted(failing)
 
 

@@ -51,23 +51,6 @@ class SharedOutput:
     per_sample: Tensor | None = field(default=None, repr=False)
 
 
-def parents(loss: Tensor) -> dict[Node, list[tuple[Node, int]]]:
-    """Every node reachable from the loss, with the nodes that consume it and at which next_functions slot."""
-    out: dict[Node, list[tuple[Node, int]]] = {}
-    seen: set[Node] = set()
-    pending = [loss.grad_fn] if loss.grad_fn is not None else []
-    while pending:
-        node = pending.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        for slot, (child, _) in enumerate(node.next_functions):
-            if child is not None:
-                out.setdefault(child, []).append((node, slot))
-                pending.append(child)
-    return out
-
-
 def frontiers(edge: GradientEdge, graph: dict[Node, list[tuple[Node, int]]], batch: int) -> list[Frontier]:
     """Where the batch first appears above a shared tensor, on every path to the loss; [] if it does not reach the
     loss or some path gets there without meeting the batch (then it is not shared but mis-shaped)."""

@@ -1,0 +1,85 @@
+"""How the clipped sums `sum_i c_i g_i` reach `.grad`, resolved once when the engine is built, and what the norm
+pass keeps for them. Three ways, one object each:
+
+    BookKeeping     bk, and ghost / flash under a wrapper that cannot take a second pass (FSDP1): each parameter's
+                    clipped-sum plan, kept by the norm pass, applied to the coefficients
+    SecondBackward  ghost / flash: a backward of `sum_i c_i loss_i` over the forward's graph, kept by the norm pass
+    NormsOnly       `engine.per_sample_norms`: nothing reaches `.grad`; the graph is kept for the user's backward
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from flashdp._pipeline.grad_writes import GradWrites
+from flashdp._pipeline.param_grad import ParamNorm
+from flashdp._pipeline.params import TrainableParam
+from flashdp._pipeline.settings import EngineSettings
+from flashdp.distributed import Adapter
+from flashdp.kernels import backend as kernels_backend
+
+#: each reached parameter with its squared norms `[B]` and clipped-sum plan
+Norms = list[tuple[TrainableParam, ParamNorm]]
+
+
+@dataclass(frozen=True)
+class Keeps:
+    """What the norm pass keeps beyond the norms."""
+
+    #: the forward's graph, for a later pass over it
+    graph: bool
+    #: each parameter's clipped-sum plan (what bk's sums are computed from)
+    plans: bool
+    #: what the collector keeps so that a float32 norm that overflows can be recomputed in float64: nothing where
+    #: the plans are kept (they suffice); else the calls, for a second norm pass over the kept graph, except under
+    #: FSDP, where one rank cannot run a pass alone: there each parameter's contributions
+    for_overflow: dict[str, bool]
+
+
+class BookKeeping:
+    def __init__(self, adapter: Adapter, settings: EngineSettings) -> None:
+        self._adapter, self._backend = adapter, settings.backend
+        self.keeps = Keeps(graph=False, plans=True, for_overflow={})
+
+    def add(self, loss: Tensor, norms: Norms, coef: Tensor) -> None:
+        """`.grad += sum_i coef[l, i] g_i` for every reached parameter (l its clipping group); `coef` `[L, B]`."""
+        with torch.no_grad(), kernels_backend(self._backend):
+            for param, norm in norms:
+                self._adapter.accumulate(param, norm.plan.clipped_sum(coef[param.clip_group]))
+            self._adapter.accumulation_done()
+
+
+class SecondBackward:
+    def __init__(self, adapter: Adapter, grad_writes: GradWrites) -> None:
+        self._adapter, self._grad_writes = adapter, grad_writes
+        self.keeps = Keeps(graph=True, plans=False, for_overflow=_overflow_without_plans(adapter))
+
+    def add(self, loss: Tensor, norms: Norms, coef: Tensor) -> None:
+        """A backward of `sum_i coef[0, i] loss_i` (one clipping group): only the reached parameters' `.grad` may
+        change."""
+        counted = [param.param for param, _ in norms]
+        scale = (coef[0] * self._adapter.second_pass_scale).to(loss.dtype)
+        with self._grad_writes.refusing(allowed=counted):
+            (loss * scale).sum().backward()
+
+
+class NormsOnly:
+    def __init__(self, adapter: Adapter) -> None:
+        self.keeps = Keeps(graph=True, plans=False, for_overflow=_overflow_without_plans(adapter))
+
+
+def _overflow_without_plans(adapter: Adapter) -> dict[str, bool]:
+    return {"keep_gradients": True} if adapter.reshards_after_forward else {"keep_calls": True}
+
+
+def clipped_sums_for(
+    settings: EngineSettings, adapter: Adapter, grad_writes: GradWrites
+) -> BookKeeping | SecondBackward:
+    """The way this engine's backward fills `.grad`: a second backward in ghost and flash where the wrapper allows
+    one, the clipped-sum plans otherwise."""
+    if settings.fills_grad_by_second_backward and adapter.allows_second_pass:
+        return SecondBackward(adapter, grad_writes)
+    return BookKeeping(adapter, settings)

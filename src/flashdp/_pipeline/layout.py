@@ -1,0 +1,105 @@
+"""Where the batch is in each recorded call's outputs, told from sizes alone: the facts a forward structure is keyed
+on, and the questions the layout learning asks (`learning.py`). Pure functions of the plan and the calls' shapes."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from flashdp._pipeline.norm_pass import batch_dims
+from flashdp._pipeline.plan import GradientPlan
+from flashdp._pipeline.recorder import Call
+from flashdp.errors import FlashDPError
+
+
+class CallShape(NamedTuple):
+    """What a forward structure records of one call (not the call, whose tensors the norm pass frees)."""
+
+    module: nn.Module
+    output_meta: tuple
+
+
+def shapes_of(calls: list[Call]) -> list[CallShape]:
+    return [CallShape(call.module, call.output_meta) for call in calls]
+
+
+def lacks_batch(shape: torch.Size, dim: int, batch: int) -> bool:
+    """No batch dim: the size there is neither B nor B * k rows (k per sample)."""
+    return len(shape) <= dim or shape[dim] % batch != 0
+
+
+def dims_of(plan: GradientPlan, call: Call | CallShape) -> tuple[int, ...]:
+    """The batch dim of each of the call's outputs, as its site's rule reads them."""
+    return batch_dims(plan.site(call.module), call)
+
+
+def structure(plan: GradientPlan, shapes: list[CallShape], batch: int) -> tuple:
+    """What a verified layout rests on: the modules called, in order, and for each output of a rule site's call
+    whether its size at the batch dim is a multiple of B (a batch, or B * k rows) or not (shared across the batch, or
+    mis-shaped). A step whose sizes fall the other way is a new structure, verified again. For a batch of one (or
+    none) only the modules: every layout gives its one sample all rows, so only what covers each parameter's uses
+    matters, and it is known once these modules were verified on a larger batch."""
+    if batch < 2:
+        return tuple(id(call.module) for call in shapes)
+    return tuple(_call_layout(plan, call, batch) for call in shapes)
+
+
+def _call_layout(plan: GradientPlan, call: CallShape, batch: int) -> tuple[int, tuple[bool, ...]]:
+    if plan.site(call.module).match is None:  # a scope: only encloses rule sites
+        return id(call.module), ()
+    dims = dims_of(plan, call)
+    return id(call.module), tuple(lacks_batch(m.shape, d, batch) for m, d in zip(call.output_meta, dims, strict=True))
+
+
+def time_major_dim(plan: GradientPlan, call: Call, batch: int) -> int | None:
+    """For a call of a position-wise rule whose outputs have the batch in another dim than the one it was told (a
+    time-major `[T, B, d]` call), the first dim before the features where every output has size B."""
+    site = plan.site(call.module)
+    if not site.match.rule.position_wise:
+        return None
+    current = dims_of(plan, call)[0]
+    shapes = [meta.shape for meta in call.output_meta]
+    dims = [d for d in range(max(len(s) for s in shapes) - 1) if all(len(s) > d and s[d] == batch for s in shapes)]
+    return next((d for d in dims if d > current), None)
+
+
+#: a call whose batch dim sizes alone cannot tell: (label, output shape, the dims of size B)
+Ambiguous = tuple[str, torch.Size, list[int]]
+
+
+def ambiguous(plan: GradientPlan, shapes: list[CallShape], batch: int) -> list[Ambiguous]:
+    """The rule site calls with B in more than one dim before the features (where only a verifying pass, which
+    FSDP1 cannot run, tells which is the batch)."""
+    found = []
+    for call in shapes if batch > 1 else ():
+        site = plan.site(call.module)
+        if site.match is None:
+            continue
+        for meta, dim in zip(call.output_meta, dims_of(plan, call), strict=True):
+            dims = {d for d in range(len(meta.shape) - 1) if meta.shape[d] == batch}
+            if not lacks_batch(meta.shape, dim, batch):
+                dims.add(dim)
+            if len(dims) > 1:
+                found.append((site.label, meta.shape, sorted(dims)))
+    return found
+
+
+def another_rank_refused() -> FlashDPError:
+    return FlashDPError("Another rank refused this backward (its error names the cause); every rank stops together.")
+
+
+def ambiguous_error(found: list[Ambiguous]) -> FlashDPError:
+    """Under FSDP1: the layers whose batch dim sizes cannot tell (or, where this rank found none, another's)."""
+    if not found:
+        return another_rank_refused()
+    label, shape, dims = found[0]
+    more = f" (and {len(found) - 1} more layers)" if len(found) > 1 else ""
+    return FlashDPError(
+        f"Under FSDP1, which cannot run flashdp's verifying pass, a layer's batch dim is told by size alone, and the "
+        f"output of layer {label}, of shape {tuple(shape)}, has this rank's batch size in dims {dims}{more}: the batch "
+        "could be any of them (batch-first [B, T, ...], or time-major [T, B, ...] with T equal to B). Nothing was "
+        "added to .grad. Use FSDP2 (fully_shard) or DDP, where flashdp verifies the layout; or give every rank a "
+        "batch size that differs from these dims' sizes (e.g. pad the sequence to another length)."
+    )

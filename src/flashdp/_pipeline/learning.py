@@ -1,0 +1,136 @@
+"""What a backward learns about the model's layout, as new `Knowledge` values (nothing here keeps state): which rule
+covers each parameter's uses, which outputs are shared across the batch, where a layer's batch is. The caller
+commits what a backward learnt only when the backward succeeds."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+
+from torch import Tensor
+
+from flashdp._pipeline import coverage, shared_outputs
+from flashdp._pipeline.knowledge import Knowledge
+from flashdp._pipeline.layout import dims_of, lacks_batch, time_major_dim
+from flashdp._pipeline.loss_graph import LossGraph
+from flashdp._pipeline.recorder import Call
+from flashdp.errors import FlashDPError
+
+#: the model's `named_parameters()` (a wrapper's flat parameters among them), asked anew for every walk
+Registered = Callable[[], Iterable[tuple[str, Tensor]]]
+
+
+class Found(enum.IntEnum):
+    """What a verifying norm pass found, ordered so that the ranks agree on the highest any of them found."""
+
+    VERIFIED = 0  # every layer's rows are per-sample
+    RELEARNT = 1  # shared or time-major layers learnt: the pass is redone
+    NOT_BATCH_FIRST = 2  # layers whose rows are not samples: their parameters are covered again
+    REFUSED = 3
+
+
+def cover(
+    known: Knowledge, graph: LossGraph, calls: list[Call], registered: Registered, reshards: bool
+) -> tuple[Knowledge, bool]:
+    """Make every trainable parameter's use counted: parameters used outside the site counting them, and those of
+    layers whose outputs are neither batch-first nor broadcast over the batch, move to the generic rule at the
+    smallest module enclosing their uses (refused under a wrapper that `reshards` its parameters). Whether the
+    plan changed."""
+    batch, start = graph.loss.shape[0], known
+    for _ in range(len(known.plan.params) + 1):  # each round moves at least one parameter up the tree
+        found = coverage.walk(graph.loss, calls, known.plan, registered())
+        misfits = _misfits(known, graph, calls, found.enclosing) if not found.uses else []
+        if not found.uses and not misfits:
+            return known, known.plan is not start.plan
+        time_major = {i: d for i in misfits if (d := time_major_dim(known.plan, calls[i], batch)) is not None}
+        if time_major:  # a position-wise rule is told where the batch is
+            dims = {calls[i].module: d for i, d in time_major.items()}
+            known = known.with_plan(known.plan.with_batch_dims(dims))
+            continue
+        if reshards:
+            raise _enclosing_rule_under_fsdp_error(found.uses)
+        if found.uses:
+            targets = coverage.promotions(found.uses, calls, known.plan)
+        else:
+            targets = coverage.layout_promotions(
+                misfits, calls, known.plan, found.enclosing, batch, known.not_batch_first
+            )
+        plan = known.plan
+        for module, keys in targets.items():
+            plan = plan.promote(module, keys)
+        known = known.with_plan(plan)
+    coverage.refuse(coverage.walk(graph.loss, calls, known.plan, registered()).uses)
+    return known, True
+
+
+def _enclosing_rule_under_fsdp_error(uses: list[coverage.Use]) -> FlashDPError:
+    names = sorted(use.param.name for use in uses)
+    return FlashDPError(
+        "Under FSDP, flashdp counts a parameter used outside its own module (or a layer whose output is neither "
+        "batch-first nor broadcast) only by a rule registered for the module that encloses its uses; these would "
+        f"need the generic rule there: {', '.join(names) or 'see the layers above'}. Tie weights by sharing the "
+        "Parameter between layers, call layers rather than reading their weights, or register a rule."
+    )
+
+
+def _misfits(known: Knowledge, graph: LossGraph, calls: list[Call], entered: dict[int, tuple[int, ...]]) -> list[int]:
+    """Rule site calls with an output that reaches the loss, has no batch dim (B * k rows are a batch) and is not
+    broadcast over the batch by a later op."""
+    batch, plan = graph.loss.shape[0], known.plan
+    lacking = {
+        i: [
+            edge
+            for edge, meta, dim in zip(call.edges, call.output_meta, dims_of(plan, call), strict=True)
+            if lacks_batch(meta.shape, dim, batch) or id(call.module) in known.not_batch_first
+        ]
+        for i, call in enumerate(calls)
+        if i in entered and batch > 1 and plan.site(call.module).match is not None
+    }
+    return [
+        i for i, edges in lacking.items() if any(graph.reaches_loss(e) and not graph.frontiers(e, batch) for e in edges)
+    ]
+
+
+def shared(
+    known: Knowledge, graph: LossGraph, calls: list[Call]
+) -> tuple[dict[tuple[int, int], shared_outputs.SharedOutput], Knowledge]:
+    """(call, output) -> SharedOutput for every output shared across the batch: those without the batch dim, and
+    every output of a site known to share its output (a shared output's dims may equal B by chance); and the
+    knowledge that their sites share."""
+    batch = graph.loss.shape[0]
+    if batch < 2:
+        return {}, known
+    found = {}
+    for i, call in enumerate(calls):
+        for j, (edge, meta, dim) in enumerate(
+            zip(call.edges, call.output_meta, dims_of(known.plan, call), strict=True)
+        ):
+            if id(call.module) in known.shared_sites or lacks_batch(meta.shape, dim, batch):
+                frontiers = graph.frontiers(edge, batch)
+                if frontiers:
+                    found[(i, j)] = shared_outputs.SharedOutput(edge, meta.shape, frontiers)
+    return found, known.sharing(id(calls[i].module) for i, _ in found)
+
+
+def explain_failures(
+    known: Knowledge, graph: LossGraph, calls: list[Call], failing: list[int]
+) -> tuple[Found, Knowledge]:
+    """Why calls' output rows were found not per-sample, to be verified again: outputs shared across the batch
+    (their dims equal B by chance), position-wise layers with the batch in a later dim (time-major, T equal to B by
+    chance), and other layers whose dim 0 is not the batch (NOT_BATCH_FIRST: their parameters are to be covered
+    again). REFUSED where that cannot explain the failure: every layer fails (the losses mix samples), or the
+    layers were already known not batch-first."""
+    batch = graph.loss.shape[0]
+    sharing = {i for i in failing if any(graph.frontiers(edge, batch) for edge in calls[i].edges)}
+    time_major = {i: d for i in failing if i not in sharing and (d := time_major_dim(known.plan, calls[i], batch))}
+    others = [i for i in failing if i not in sharing and i not in time_major]
+    if others and len(set(failing)) == len(calls):  # every layer fails: the losses mix samples
+        return Found.REFUSED, known
+    if others and all(id(calls[i].module) in known.not_batch_first for i in others):  # known, not covered
+        return Found.REFUSED, known
+    known = known.sharing(id(calls[i].module) for i in sharing)
+    if time_major:  # (verified by the redone pass)
+        known = known.with_layout(known.plan.with_batch_dims({calls[i].module: d for i, d in time_major.items()}))
+    if others:  # (a time-major layer without a position-wise rule, whose T equals B)
+        return Found.NOT_BATCH_FIRST, known.not_batch_first_too(id(calls[i].module) for i in others)
+    return Found.RELEARNT, known

@@ -1,0 +1,65 @@
+"""The loss's autograd graph, indexed once per backward and shared by every stage that asks about it."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection
+
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, Node
+
+from flashdp._pipeline import shared_outputs
+
+#: node -> the nodes that consume it, with the `next_functions` slot they consume it at
+Parents = dict[Node, list[tuple[Node, int]]]
+
+
+class LossGraph:
+    """The graph from `loss` down, walked once (on the first question) into each node's consumers.
+
+    The nodes' Python objects are held while the graph is; their saved tensors are freed by autograd as usual."""
+
+    def __init__(self, loss: Tensor) -> None:
+        self.loss = loss
+
+    @functools.cached_property
+    def parents(self) -> Parents:
+        """Every node reachable from the loss, with the nodes that consume it (the loss's own node has none)."""
+        out: Parents = {}
+        seen: set[Node] = set()
+        pending = [self.loss.grad_fn] if self.loss.grad_fn is not None else []
+        while pending:
+            node = pending.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            for slot, (child, _) in enumerate(node.next_functions):
+                if child is not None:
+                    out.setdefault(child, []).append((node, slot))
+                    pending.append(child)
+        return out
+
+    def reaches_loss(self, edge: GradientEdge) -> bool:
+        """Whether something above the loss's own node consumes the edge's node."""
+        return edge.node in self.parents
+
+    def frontiers(self, edge: GradientEdge, batch: int) -> list[shared_outputs.Frontier]:
+        """Where the batch first appears above a shared output (`shared_outputs.frontiers`)."""
+        return shared_outputs.frontiers(edge, self.parents, batch)
+
+    def above(self, edges: Collection[tuple[Node, int]]) -> set[Node]:
+        """The nodes from which one of `edges` (node, output_nr) is reachable by at least one step: autograd runs
+        them to compute that edge's gradient."""
+        pending = [
+            consumer
+            for node, output_nr in edges
+            for consumer, slot in self.parents.get(node, ())
+            if consumer.next_functions[slot][1] == output_nr
+        ]
+        found: set[Node] = set()
+        while pending:
+            node = pending.pop()
+            if node not in found:
+                found.add(node)
+                pending.extend(consumer for consumer, _ in self.parents.get(node, ()))
+        return found

@@ -1,0 +1,272 @@
+"""Measuring one backward: the per-sample norms of every trainable parameter the loss reaches, checked.
+
+`measure` is the one place that retries: it covers a forward structure not yet verified, then runs attempts, each
+ONE norm pass without state of its own (`_attempt`) that returns either the pass or a finding about the layout
+(shared outputs, a time-major layer, a layer not batch-first) to learn from and try again. What was learnt comes
+back as a new `Knowledge`, which the caller commits only if the whole backward succeeds. The loss graph is indexed
+once (`LossGraph`) and shared by every stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from flashdp._pipeline import learning, nonfinite, self_check
+from flashdp._pipeline.clipped_sums import Keeps, Norms
+from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
+from flashdp._pipeline.knowledge import Knowledge
+from flashdp._pipeline.layout import ambiguous, ambiguous_error, dims_of, shapes_of, structure
+from flashdp._pipeline.learning import Found
+from flashdp._pipeline.loss_graph import LossGraph
+from flashdp._pipeline.norm_pass import stream_output_gradients
+from flashdp._pipeline.plan import GradientPlan
+from flashdp._pipeline.profiling import PhaseTimer
+from flashdp._pipeline.recorder import Call, Recorder
+from flashdp._pipeline.settings import EngineSettings
+from flashdp._pipeline.shared_outputs import capturing_per_sample_gradients
+from flashdp._pipeline.verifying import Verifying, receiver, refusal
+from flashdp.distributed import Adapter
+from flashdp.distributed.checks import highest_on_any_rank
+from flashdp.errors import FlashDPError
+from flashdp.kernels import backend as kernels_backend
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The engine's parts a measurement uses (none of them is changed by it)."""
+
+    settings: EngineSettings
+    adapter: Adapter
+    timer: PhaseTimer
+    recorder: Recorder
+    #: the model's `named_parameters`
+    registered: learning.Registered
+    #: the tensor-parallel group over which a sample's squared norms are summed, if any
+    norm_group: dist.ProcessGroup | None
+    #: the self-check's random choices, the same on every rank
+    check_generator: torch.Generator
+
+    def on_any_rank(self, flags: Iterable[int], device: torch.device) -> list[int]:
+        """Each flag, the highest any data-parallel rank has: every rank takes the same decision."""
+        return highest_on_any_rank([int(f) for f in flags], self.adapter.dp_group, device)
+
+
+@dataclass
+class Measurement:
+    """Each reached parameter's squared norms `[B]` (and clipped-sum plan), the clipping groups' squared norms
+    `[L, B]` float64, the samples whose gradient is not finite (nonfinite="skip") or None, and how each
+    parameter's norm was computed."""
+
+    norms: Norms
+    clip_norms_sq: Tensor
+    skipped: Tensor | None
+    strategies: dict[str, str]
+
+
+@dataclass
+class _Pass:
+    """A norm pass that went through: its collector, whether it decided the layout for later steps, each
+    trainable parameter as the forward used it (for the self-check) and the dtypes it saw."""
+
+    collector: NormCollector
+    decided: bool
+    held: dict[object, Tensor]
+    dtypes: list[torch.dtype]
+
+
+@dataclass(frozen=True)
+class _Finding:
+    """A verifying pass found what explains its failure: try again with `known` (covering again first when
+    layers were found not batch-first)."""
+
+    known: Knowledge
+    cover_again: bool
+
+
+def measure(
+    parts: Parts, known: Knowledge, loss: Tensor, calls: list[Call], index: int, keeps: Keeps
+) -> tuple[Measurement, Knowledge]:
+    """The checked norms of backward number `index` of the forward that recorded `calls` (handed over: emptied as
+    the norm pass releases them), and what the engine knows after it. Runs the coverage walk and verification on
+    a forward structure not yet verified, the self-check when due, and every rank's agreement on them."""
+    batch, graph, shapes = loss.shape[0], LossGraph(loss), shapes_of(calls)
+    checking = known.self_check.due(index)
+    if checking:
+        known = known.self_checked(index)
+    new_structure = structure(known.plan, shapes, batch) not in known.verified
+    if checking or new_structure:
+        known, checking = _cover(parts, known, graph, calls, checking)
+    verify = (checking or new_structure) and parts.adapter.allows_second_pass
+    verify &= batch > 1 or parts.adapter.world_size > 1  # (FSDP collectives: every rank runs the passes)
+    unclear = ambiguous(known.plan, shapes, batch) if new_structure and not parts.adapter.allows_second_pass else []
+    verify, checking, refuse = map(bool, parts.on_any_rank([verify, checking, bool(unclear)], loss.device))
+    if refuse:
+        raise ambiguous_error(unclear)
+    recorded = list(calls) if verify else []  # (scopes too: a layer found not batch-first is covered again)
+    for _ in range(3 * len(recorded) + 2):  # each finding teaches something new about one of the calls
+        outcome = _attempt(parts, known, graph, list(recorded) if verify else calls, verify, checking, keeps)
+        if isinstance(outcome, _Pass):
+            break
+        known = outcome.known
+        if outcome.cover_again:
+            known, checking = _cover(parts, known, graph, list(recorded), checking)
+            checking = bool(parts.on_any_rank([checking], loss.device)[0])
+    else:
+        raise FlashDPError("flashdp could not settle the layout of this forward's layers; nothing was added to .grad.")
+    calls.clear()
+    del recorded
+    measurement = _finish(parts, known, graph, outcome, keeps, checking)
+    # a batch of one decides no layout: every dim fits it, its rows are all its own
+    if batch > 1 and outcome.decided and (verify or new_structure):
+        known = known.verifying(structure(known.plan, shapes, batch), structure(known.plan, shapes, 1))
+    return measurement, known
+
+
+def _cover(
+    parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], checking: bool
+) -> tuple[Knowledge, bool]:
+    """Cover this forward structure (`learning.cover`), and whether this backward runs the per-sample check: a
+    plan changed here is checked at once, even with self_check=None (a module that has just become a generic
+    rule site was recorded as a scope, without the outputs its rule's check of the recomputation compares)."""
+    reshards = parts.adapter.reshards_after_forward
+    known, changed = learning.cover(known, graph, calls, parts.registered, reshards)
+    return known, (parts.adapter.allows_second_pass if changed else checking)
+
+
+def _attempt(
+    parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], verify: bool, checking: bool, keeps: Keeps
+) -> _Pass | _Finding:
+    """One norm pass over `calls` (handed over): each call's output gradients go to a collector as autograd
+    computes them. With `verify`, each is also sketched, and a weighted pass compared with the sketches verifies
+    batch independence (see `_verdict`)."""
+    loss, batch = graph.loss, graph.loss.shape[0]
+    rule_calls = _rule_calls(known.plan, calls)
+    calls.clear()  # from here the collector holds each call, and releases it once its gradients are in
+    held = _graph_tensors(known.plan, rule_calls) if checking else {}
+    dtypes = [loss.dtype, *(m.dtype for c in rule_calls for m in c.output_meta)]
+    shared, known = learning.shared(known, graph, rule_calls)
+    collector = NormCollector(
+        known.plan,
+        rule_calls,
+        batch,
+        strategy=parts.settings.norm_strategy,
+        keep_for_sum=keeps.plans,
+        backend=parts.settings.backend,
+        recorder=parts.recorder,
+        shared=shared,
+        **keeps.for_overflow,
+    )
+    dims = [dims_of(known.plan, c) for c in rule_calls]
+    verifying = Verifying(rule_calls, dims, set(shared), batch) if verify else None
+    sharing = capturing_per_sample_gradients(list(shared.values()), batch)
+    with parts.timer.phase("norm pass"), parts.adapter.norm_pass(), sharing:
+        # (without verifying, only the collector holds each call: the pass empties its list)
+        passed = list(rule_calls) if verify else rule_calls
+        retain = keeps.graph or checking or verify
+        stream_output_gradients(
+            graph, passed, receiver(collector, verifying), {i for i, _ in shared}, retain, prepare=collector.unpack
+        )
+    if verifying is None:
+        return _Pass(collector, True, held, dtypes)
+    found, known = _verdict(parts, known, graph, verifying)
+    if found is Found.VERIFIED:
+        return _Pass(collector, verifying.every_sample_seen(), held, dtypes)
+    return _Finding(known, cover_again=found is Found.NOT_BATCH_FIRST)
+
+
+def _verdict(parts: Parts, known: Knowledge, graph: LossGraph, verifying: Verifying) -> tuple[Found, Knowledge]:
+    """What the verifying pass found, agreed by every rank (the highest any of them found), with what explains a
+    failure; raises where nothing does."""
+    loss, calls = graph.loss, verifying.calls
+    rtol = self_check.tolerance([loss.dtype, *(m.dtype for c in calls for m in c.output_meta)])
+    with torch.no_grad(), parts.adapter.norm_pass():
+        failing = self_check.batch_independence_failures(
+            loss, calls, verifying.sketches, verifying.dims, rtol, parts.check_generator
+        )
+    found, learnt = learning.explain_failures(known, graph, calls, failing) if failing else (Found.VERIFIED, known)
+    if found is Found.VERIFIED and verifying.errors:
+        found = Found.REFUSED
+    agreed = Found(max(parts.on_any_rank([found], loss.device)))
+    if agreed is Found.REFUSED:
+        raise refusal(known.plan, calls, failing, verifying.errors, refused_here=found is agreed)
+    return agreed, learnt
+
+
+def _finish(parts: Parts, known: Knowledge, graph: LossGraph, done: _Pass, keeps: Keeps, checking: bool) -> Measurement:
+    """The norms of the pass: the clipping groups' (a float32 overflow recomputed in float64, summed over the
+    tensor-parallel group), the non-finite policy applied, and the per-sample self-check when due."""
+    loss, batch, groups = graph.loss, graph.loss.shape[0], len(known.plan.clip_group_names)
+    with torch.no_grad(), kernels_backend(parts.settings.backend), parts.timer.phase("norm computation"):
+        norms = done.collector.finish()
+        clip_norms_sq = _group_norms_sq(norms, groups, batch, loss.device)
+        if not nonfinite.all_finite(clip_norms_sq):  # a float32 norm that overflowed, or a NaN/inf gradient
+            norms = _float64_norms(parts, known, graph, norms, done.collector, keeps)
+            clip_norms_sq = _group_norms_sq(norms, groups, batch, loss.device)
+        done.collector = None
+        if parts.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
+            with parts.timer.phase("communication"):
+                dist.all_reduce(clip_norms_sq, op=dist.ReduceOp.SUM, group=parts.norm_group)
+        skipped = nonfinite.nonfinite_samples(parts.settings.nonfinite, clip_norms_sq, norms, parts.adapter.dp_group)
+        if checking:
+            _check_per_sample(parts, loss, norms, done.held, self_check.tolerance(done.dtypes), keeps.graph)
+    return Measurement(norms, clip_norms_sq, skipped, {param.name: norm.strategy for param, norm in norms})
+
+
+def _float64_norms(
+    parts: Parts, known: Knowledge, graph: LossGraph, norms: Norms, collector: NormCollector, keeps: Keeps
+) -> Norms:
+    """`norms` with every parameter whose squared norms are not all finite recomputed in float64 from what the
+    collector kept (`Keeps.for_overflow`): its contributions, or its calls for a second norm pass."""
+    gradients = collector.gradients
+    if any(n.plan is None and p.key not in gradients for p, n in norms if not nonfinite.all_finite(n.norm_sq)):
+        again = Keeps(graph=keeps.graph, plans=False, for_overflow={"keep_gradients": True})
+        redo = _attempt(parts, known, graph, list(collector.calls), verify=False, checking=False, keeps=again)
+        redo.collector.finish()
+        gradients = redo.collector.gradients
+    return nonfinite.recompute_overflowed(norms, gradients, graph.loss.shape[0])
+
+
+def _rule_calls(plan: GradientPlan, calls: list[Call]) -> list[Call]:
+    """The calls of rule sites (scopes only enclose them), without the outputs their rules do not read."""
+    rule_calls = [
+        c if plan.site(c.module).match.rule.per_call else c.without_outputs()
+        for c in calls
+        if plan.site(c.module).match
+    ]
+    if not rule_calls:
+        raise no_trainable_layer_error()
+    return rule_calls
+
+
+def _graph_tensors(plan: GradientPlan, calls: list[Call]) -> dict[object, Tensor]:
+    """Each trainable parameter as the forward used it (a wrapper may have swapped in another tensor)."""
+    held = {p.key: p.param for p in plan.params}
+    for call in calls:
+        for name, tensor in call.params.items():
+            param = plan.param_of.get((id(call.module), name))
+            if param is not None and tensor.requires_grad:  # not a copy kept for the generic rule
+                held[param.key] = tensor
+    return held
+
+
+def _check_per_sample(parts: Parts, loss: Tensor, norms: Norms, held: dict, rtol: float, retain_graph: bool) -> None:
+    """The self-check's second part: a few samples' true per-sample gradients, by autograd, against the counts."""
+    count = self_check.SAMPLES_PER_CHECK
+    picks = torch.randperm(max(loss.shape[0], 1), generator=parts.check_generator)[:count].tolist()
+    samples = [picks[k % len(picks)] for k in range(count)]  # as many passes on every rank
+    counted = [self_check.Counted(p.name, held[p.key], n.norm_sq, n.plan) for p, n in norms]
+    with parts.adapter.norm_pass():
+        self_check.check_per_sample(loss, counted, samples, rtol, retain_graph)
+
+
+def _group_norms_sq(norms: Norms, groups: int, batch: int, device: torch.device) -> Tensor:
+    """`[L, B]` float64 squared norms of the L clipping groups."""
+    total = torch.zeros(groups, batch, dtype=torch.float64, device=device)
+    for param, norm in norms:
+        total[param.clip_group] += norm.norm_sq.to(total.dtype)
+    return total

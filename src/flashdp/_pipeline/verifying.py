@@ -1,0 +1,73 @@
+"""A verifying norm pass: every call's output gradients sketched as they are handed over, for the weighted pass
+that checks each layer's rows are per-sample (`self_check.batch_independence_failures`); a rule's error deferred
+until the layout is known."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flashdp._pipeline import self_check
+from flashdp._pipeline.collector import NormCollector
+from flashdp._pipeline.layout import another_rank_refused
+from flashdp._pipeline.plan import GradientPlan
+from flashdp._pipeline.recorder import Call
+
+
+@dataclass
+class Verifying:
+    """What a verifying norm pass keeps until the pass ends: sketches of every call's output gradients (the
+    weighted pass is compared with them), and the errors its rules raised. A rule may fail because a layer's rows
+    are not samples (a time-major layer with T == B passes the size checks), so its error is raised only once the
+    layout is verified."""
+
+    calls: list[Call]
+    #: each call's batch dim per output
+    dims: list[tuple[int, ...]]
+    #: (call, output) indices of outputs shared across the batch
+    shared: set[tuple[int, int]]
+    batch: int
+    sketches: list[tuple[self_check.RowSketch | None, ...]] = field(init=False)
+    errors: list[Exception] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sketches = [()] * len(self.calls)
+
+    def every_sample_seen(self) -> bool:
+        """Every sample has non-zero rows in every layer: only then does the pass decide a layout for later steps
+        (a sample padded out, or masked, shows nothing about whose rows are whose)."""
+        return all(sketch.every_sample_seen for sketches in self.sketches for sketch in sketches if sketch)
+
+    def keep(self, index: int, grads: tuple) -> None:
+        shared = {j for i, j in self.shared if i == index}
+        self.sketches[index] = self_check.sketch_output_gradients(
+            self.calls[index], grads, self.dims[index], self.batch, shared, seed=index
+        )
+
+
+def receiver(collector: NormCollector, verifying: Verifying | None):
+    """`receive(index, grads)` for the norm pass: hands one call's output gradients to the collector; while
+    verifying, also sketches them and defers the rule's errors."""
+    if verifying is None:
+        return collector.receive
+
+    def receive(index: int, grads: tuple) -> None:
+        verifying.keep(index, grads)
+        try:
+            collector.receive(index, grads)
+        except Exception as error:  # raised after the pass, unless the layout explains it
+            verifying.errors.append(error)
+
+    return receive
+
+
+def refusal(
+    plan: GradientPlan, calls: list[Call], failing: list[int], errors: list[Exception], refused_here: bool
+) -> Exception:
+    """Why a verifying pass refuses: a rule's error once the layout is verified, layers whose rows are not samples,
+    or (on the other ranks: every rank stops together) another rank's refusal."""
+    if not refused_here:
+        return another_rank_refused()
+    if not failing:
+        return errors[0]
+    sites = [plan.site(c.module).label for c in calls]
+    return self_check.batch_independence_error([sites[i] for i in failing], sites)

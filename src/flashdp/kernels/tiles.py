@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
+import torch
 import triton
 import triton.language as tl
 
+from flashdp.kernels.configs import LaunchConfig, launch_config
 from flashdp.kernels.runtime import interpreter
 
 
@@ -36,3 +40,27 @@ def output_tile(BP: tl.constexpr, BD: tl.constexpr):
     rows = tl.program_id(1) * BP + tl.arange(0, BP)
     columns = tl.program_id(2) * BD + tl.arange(0, BD)
     return rows, columns
+
+
+class Launcher:
+    """Launches the Triton kernel `fn` with `configs.launch_config(name, dtype)`: on CUDA autotuned over the
+    configuration's `(num_warps, num_stages)` candidates, once per value of the `key` arguments (a layer's sizes);
+    under the interpreter with its one candidate."""
+
+    def __init__(self, fn: triton.JITFunction, name: str, key: Sequence[str]) -> None:
+        self.fn, self.name, self.key = fn, name, list(key)
+        self._tuned: dict[LaunchConfig, Callable] = {}
+
+    def config(self, dtype: torch.dtype) -> LaunchConfig:
+        return launch_config(self.name, dtype)
+
+    def __call__(self, grid: tuple[int, ...], dtype: torch.dtype, *args: object, **constexprs: object) -> None:
+        config = self.config(dtype)
+        if len(config.warps_and_stages) == 1:
+            warps, stages = config.warps_and_stages[0]
+            self.fn[grid](*args, **constexprs, num_warps=warps, num_stages=stages)
+            return
+        if config not in self._tuned:
+            candidates = [triton.Config({}, num_warps=w, num_stages=s) for w, s in config.warps_and_stages]
+            self._tuned[config] = triton.autotune(configs=candidates, key=self.key)(self.fn)
+        self._tuned[config][grid](*args, **constexprs)

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashdp.kernels.tiles import load_tile, output_tile, tile_size, upcast_tiles
+from flashdp.kernels.outer_norm.kernel import direct_tiles
+from flashdp.kernels.tiles import Launcher, load_tile, output_tile, upcast_tiles
 
 
 @triton.jit
@@ -37,16 +38,20 @@ def _clipped_sum_kernel(
     tl.store(out + (group * P + rp[:, None]) * D + rd[None, :], acc, mask=mask)
 
 
-def clipped_sum(left: Tensor, right: Tensor, coef: Tensor, conv_groups: int = 1, block: int = 64) -> Tensor:
-    """`[g, p, d]` float32. coef: `[B]` per-sample coefficients."""
+_CLIPPED_SUM = Launcher(_clipped_sum_kernel, "clipped_sum", key=["P", "D"])
+
+
+def clipped_sum(left: Tensor, right: Tensor, coef: Tensor, conv_groups: int = 1, block: int | None = None) -> Tensor:
+    """`[g, p, d]` float32. coef: `[B]` per-sample coefficients. block: the tile limit (default: the launch
+    configuration's)."""
     rows, t, p = left.shape
     d = right.shape[2]
-    bp, bd, bt = tile_size(p, block), tile_size(d, block), tile_size(t, block)
+    tiles = direct_tiles(t, p, d, block or _CLIPPED_SUM.config(left.dtype).tile)
     out = torch.full((conv_groups, p, d), float("nan"), device=left.device, dtype=torch.float32)
     coef = coef.to(device=left.device, dtype=torch.float32).contiguous()
-    grid = (conv_groups, triton.cdiv(p, bp), triton.cdiv(d, bd))
-    _clipped_sum_kernel[grid](
-        left, right, coef, out, rows // conv_groups, conv_groups, t, p, d, *left.stride(), *right.stride(),
-        BT=bt, BP=bp, BD=bd, UPCAST=upcast_tiles(),
+    grid = (conv_groups, triton.cdiv(p, tiles["BP"]), triton.cdiv(d, tiles["BD"]))
+    _CLIPPED_SUM(
+        grid, left.dtype, left, right, coef, out, rows // conv_groups, conv_groups, t, p, d,
+        *left.stride(), *right.stride(), **tiles, UPCAST=upcast_tiles(),
     )  # fmt: skip
     return out

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashdp.kernels.tiles import load_tile
+from flashdp.kernels.tiles import Launcher, load_tile
 
 
 @triton.jit
@@ -46,16 +46,24 @@ def _norm_affine_kernel(
         tl.store(Bias + n * D + rd, b_acc, mask=dmask)
 
 
+_NORM_AFFINE = Launcher(_norm_affine_kernel, "norm_affine", key=["D"])
+
+
+def norm_affine_tiles(t: int, d: int, elements: int) -> dict[str, int]:
+    """A whole row of D features, and as many positions as fit in a tile of `elements`."""
+    bd = triton.next_power_of_2(max(d, 1))
+    return {"BT": max(1, min(triton.next_power_of_2(max(t, 1)), elements // bd)), "BD": bd}
+
+
 def norm_affine_grads(x: Tensor, g: Tensor, eps: float, rms: bool, bias: bool) -> tuple[Tensor, Tensor | None]:
     """(weight `[N, D]`, bias `[N, D]` or None), float32."""
     n, t, d = x.shape
-    bd = triton.next_power_of_2(max(d, 1))
-    bt = max(1, min(triton.next_power_of_2(max(t, 1)), 4096 // bd if bd <= 4096 else 1))
+    tiles = norm_affine_tiles(t, d, _NORM_AFFINE.config(x.dtype).tile)
     weight = torch.full((n, d), float("nan"), device=x.device, dtype=torch.float32)
     bias_out = torch.full((n, d), float("nan"), device=x.device, dtype=torch.float32) if bias else weight
     if n:
-        _norm_affine_kernel[(n,)](
-            x, g, weight, bias_out, t, d, float(eps), *x.stride(), *g.stride(),
-            RMS=rms, HAS_BIAS=bias, BT=bt, BD=bd,
+        _NORM_AFFINE(
+            (n,), x.dtype, x, g, weight, bias_out, t, d, float(eps), *x.stride(), *g.stride(),
+            RMS=rms, HAS_BIAS=bias, **tiles,
         )  # fmt: skip
     return weight, (bias_out if bias else None)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from flashdp.kernels.tiles import load_tile, output_tile, tile_size, upcast_tiles
+from flashdp.kernels.tiles import Launcher, load_tile, output_tile, tile_size, upcast_tiles
 
 
 @triton.jit
@@ -35,17 +35,26 @@ def _direct_norm_kernel(
     tl.store(partial + (n * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2), total)
 
 
-def direct_norm_sq(left: Tensor, right: Tensor, block: int = 64) -> Tensor:
-    """`[N]` float32 `||L_n^T R_n||_F^2`. left `[N, T, p]`, right `[N, T, d]` (any strides)."""
+_DIRECT = Launcher(_direct_norm_kernel, "direct_norm", key=["P", "D"])
+
+
+def direct_tiles(t: int, p: int, d: int, tile: int) -> dict[str, int]:
+    """The direct norm kernel's tiles for `[N, T, p]` and `[N, T, d]` factors."""
+    return {"BT": tile_size(t, tile), "BP": tile_size(p, tile), "BD": tile_size(d, tile)}
+
+
+def direct_norm_sq(left: Tensor, right: Tensor, block: int | None = None) -> Tensor:
+    """`[N]` float32 `||L_n^T R_n||_F^2`. left `[N, T, p]`, right `[N, T, d]` (any strides). block: the tile limit
+    (default: the launch configuration's)."""
     n, t, p = left.shape
     d = right.shape[2]
-    bp, bd, bt = tile_size(p, block), tile_size(d, block), tile_size(t, block)
-    grid = (n, triton.cdiv(p, bp), triton.cdiv(d, bd))
+    tiles = direct_tiles(t, p, d, block or _DIRECT.config(left.dtype).tile)
+    grid = (n, triton.cdiv(p, tiles["BP"]), triton.cdiv(d, tiles["BD"]))
     partial = torch.full(grid, float("nan"), device=left.device, dtype=torch.float32)
     if n:
-        _direct_norm_kernel[grid](
-            left, right, partial, t, p, d, *left.stride(), *right.stride(),
-            BT=bt, BP=bp, BD=bd, UPCAST=upcast_tiles(),
+        _DIRECT(
+            grid, left.dtype, left, right, partial, t, p, d, *left.stride(), *right.stride(),
+            **tiles, UPCAST=upcast_tiles(),
         )  # fmt: skip
     return partial.sum((1, 2))
 
@@ -81,17 +90,27 @@ def _ghost_norm_kernel(
     tl.store(partial + n * tl.num_programs(1) + pair, total)
 
 
-def ghost_norm_sq(left: Tensor, right: Tensor, tile: int = 64, chunk: int = 64) -> Tensor:
-    """`[N]` float32 `||L_n^T R_n||_F^2` from Gram matrices of T tiles (pairs j <= k)."""
+_GHOST = Launcher(_ghost_norm_kernel, "ghost_norm", key=["P", "D"])
+
+
+def ghost_tiles(t: int, p: int, d: int, tile: int, chunk: int) -> dict[str, int]:
+    """The ghost norm kernel's T tile and feature chunk for `[N, T, p]` and `[N, T, d]` factors."""
+    return {"BT": tile_size(t, tile), "BK": tile_size(max(p, d), chunk)}
+
+
+def ghost_norm_sq(left: Tensor, right: Tensor, tile: int | None = None, chunk: int | None = None) -> Tensor:
+    """`[N]` float32 `||L_n^T R_n||_F^2` from Gram matrices of T tiles (pairs j <= k). tile, chunk: the limits of
+    the T tile and the feature chunk (default: the launch configuration's)."""
     n, t, p = left.shape
     d = right.shape[2]
-    bt = tile_size(t, tile)
-    tiles = triton.cdiv(t, bt)
-    pairs = torch.triu_indices(tiles, tiles).T.contiguous().to(device=left.device, dtype=torch.int32)
+    limit = _GHOST.config(left.dtype).tile
+    tiles = ghost_tiles(t, p, d, tile or limit, chunk or limit)
+    count = triton.cdiv(t, tiles["BT"])
+    pairs = torch.triu_indices(count, count, device=left.device).T.contiguous().to(torch.int32)
     partial = torch.full((n, len(pairs)), float("nan"), device=left.device, dtype=torch.float32)
     if n:
-        _ghost_norm_kernel[(n, len(pairs))](
-            left, right, pairs, partial, t, p, d, *left.stride(), *right.stride(),
-            BT=bt, BK=tile_size(max(p, d), chunk), UPCAST=upcast_tiles(),
+        _GHOST(
+            (n, len(pairs)), left.dtype, left, right, pairs, partial, t, p, d, *left.stride(), *right.stride(),
+            **tiles, UPCAST=upcast_tiles(),
         )  # fmt: skip
     return partial.sum(1)

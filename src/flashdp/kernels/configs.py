@@ -1,0 +1,55 @@
+"""Launch configurations of the Triton kernels, per kernel and input precision: the tile limit, and the
+`(num_warps, num_stages)` candidates among which `triton.autotune` picks on CUDA, per layer shape.
+
+Every candidate is compiled ahead of time for sm_80 (A100) and sm_90 (H100) by the test suite
+(`tests/kernels/test_compiled_for_gpus.py`, no GPU needed): it must compile without register spills, with
+tensor-core instructions for 16-bit inputs, within the architecture's shared memory. float32 inputs take smaller
+tiles: their `tl.dot` runs in IEEE float32 (a norm is a privacy quantity, never tf32) on scalar FMAs, and 64 x 64
+tiles of them spill (the direct norm 632 bytes, the ghost norm 2,452, the clipped sum 12,664 on sm_80 at 4 warps).
+Candidates share a kernel's tile, which sets its grid and its output buffers; warps and stages do not.
+
+Under Triton's CPU interpreter (tests) one configuration: 64-wide tiles (the interpreter's cost is per program and
+loop iteration), one warp setting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashdp.kernels.runtime import interpreter
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    #: the largest tile along each tiled dim (a smaller dim takes the power of two covering it)
+    tile: int
+    #: `(num_warps, num_stages)` candidates, autotuned on CUDA; the first under the interpreter
+    warps_and_stages: tuple[tuple[int, int], ...]
+
+
+#: (kernel, precision) -> configuration on CUDA; precision is "16-bit" (bf16, fp16) or "float32"
+ON_GPU: dict[tuple[str, str], LaunchConfig] = {
+    ("direct_norm", "16-bit"): LaunchConfig(64, ((4, 3), (8, 3))),
+    ("direct_norm", "float32"): LaunchConfig(32, ((4, 3), (8, 3))),
+    ("ghost_norm", "16-bit"): LaunchConfig(64, ((8, 2), (8, 3))),
+    ("ghost_norm", "float32"): LaunchConfig(32, ((4, 3), (8, 3))),
+    ("clipped_sum", "16-bit"): LaunchConfig(64, ((4, 3), (8, 3))),
+    ("clipped_sum", "float32"): LaunchConfig(32, ((4, 3), (8, 3))),
+    ("norm_affine", "16-bit"): LaunchConfig(4096, ((8, 1),)),
+    ("norm_affine", "float32"): LaunchConfig(4096, ((8, 1),)),
+}
+INTERPRETED = {"direct_norm": 64, "ghost_norm": 64, "clipped_sum": 64, "norm_affine": 4096}
+
+
+def precision(dtype: torch.dtype) -> str:
+    return "float32" if dtype == torch.float32 else "16-bit"
+
+
+def launch_config(kernel: str, dtype: torch.dtype, on_gpu: bool | None = None) -> LaunchConfig:
+    """The configuration of `kernel` for inputs of `dtype`: on CUDA (`on_gpu`, default: not the interpreter) the
+    table's; under the interpreter one candidate."""
+    if on_gpu if on_gpu is not None else not interpreter():
+        return ON_GPU[(kernel, precision(dtype))]
+    return LaunchConfig(INTERPRETED[kernel], ((4, 1),))

@@ -103,13 +103,12 @@ class CanaryAudit:
         self.guesses = guesses
         self._generator = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
         self._holders = holders
-        flat = torch.randperm(sum(sizes), generator=self._generator)[:canaries]
-        self._param_index = torch.bucketize(flat, torch.tensor(sizes).cumsum(0), right=True)
-        self._offsets = (
-            flat - torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(sizes).cumsum(0)])[self._param_index]
-        )
-        self._signs = torch.randint(0, 2, (canaries,), generator=self._generator).float() * 2 - 1
-        self.included = torch.rand(canaries, generator=self._generator) < 0.5
+        flat = torch.randperm(sum(sizes), generator=self._generator, device="cpu")[:canaries]
+        ends = torch.tensor(sizes, device="cpu").cumsum(0)
+        self._param_index = torch.bucketize(flat, ends, right=True)
+        self._offsets = flat - torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), ends])[self._param_index]
+        self._signs = torch.randint(0, 2, (canaries,), generator=self._generator, device="cpu").float() * 2 - 1
+        self.included = torch.rand(canaries, generator=self._generator, device="cpu") < 0.5
         self._start = self._coordinates().clone()
         self._hook = step.register_hook(self._add_canaries)
 
@@ -124,17 +123,18 @@ class CanaryAudit:
         """At `engine.step()`, before the noise: each canary in the set, sampled with probability q, added to the
         gradient sum with the engine's clipping coefficient."""
         engine = self.engine
-        sampled = self.included & (torch.rand(self.canaries, generator=self._generator) < engine.sample_rate)
+        coins = torch.rand(self.canaries, generator=self._generator, device="cpu")
+        sampled = self.included & (coins < engine.sample_rate)
         chosen = sampled.nonzero().flatten()
         if not len(chosen):
             return
         groups, group_of_param = engine.noisy_step.clip_groups()
         norm = CANARY_NORM_IN_C * engine.max_grad_norm
-        group_of = torch.tensor(group_of_param)[self._param_index[chosen]]
-        norms_sq = torch.zeros(groups, len(chosen), dtype=torch.float64)
-        norms_sq[group_of, torch.arange(len(chosen))] = norm**2
+        group_of = torch.tensor(group_of_param, device="cpu")[self._param_index[chosen]]
+        norms_sq = torch.zeros(groups, len(chosen), dtype=torch.float64, device="cpu")
+        norms_sq[group_of, torch.arange(len(chosen), device="cpu")] = norm**2
         coef = engine.noisy_step.clip_coefficients(norms_sq)
-        contribution = coef[group_of, torch.arange(len(chosen))] * norm * self._signs[chosen].double()
+        contribution = coef[group_of, torch.arange(len(chosen), device="cpu")] * norm * self._signs[chosen].double()
         with torch.no_grad():
             for k, value in zip(chosen.tolist(), contribution.tolist(), strict=True):
                 grad = self._holders[int(self._param_index[k])].grad.view(-1)

@@ -47,7 +47,7 @@ class PoissonSampler(Sampler[list[int]]):
             raise FlashDPError(f"rank must be in [0, world_size). Received rank={rank}, world_size={world_size}.")
         if secure_rng and seed is not None:
             raise FlashDPError("secure_rng=True samples from the OS CSPRNG and cannot be seeded; pass seed=None.")
-        self.indices = torch.arange(rank, num_samples, world_size)
+        self.indices = torch.arange(rank, num_samples, world_size, device="cpu")
         self.sample_rate = sample_rate
         self.steps = steps if steps is not None else math.ceil(1 / sample_rate)
         self.secure_rng = secure_rng
@@ -64,7 +64,7 @@ class PoissonSampler(Sampler[list[int]]):
     def _uniform(self, count: int) -> torch.Tensor:
         if self.secure_rng:
             return csprng.uniform(count)
-        return torch.rand(count, generator=self.generator, dtype=torch.float64)
+        return torch.rand(count, generator=self.generator, dtype=torch.float64, device="cpu")
 
 
 class EmptyBatchCollate:

@@ -257,7 +257,7 @@ def _graph_tensors(plan: GradientPlan, calls: list[Call]) -> dict[object, Tensor
 def _check_per_sample(parts: Parts, loss: Tensor, norms: Norms, held: dict, rtol: float, retain_graph: bool) -> None:
     """The self-check's second part: a few samples' true per-sample gradients, by autograd, against the counts."""
     count = self_check.SAMPLES_PER_CHECK
-    picks = torch.randperm(max(loss.shape[0], 1), generator=parts.check_generator)[:count].tolist()
+    picks = torch.randperm(max(loss.shape[0], 1), generator=parts.check_generator, device="cpu")[:count].tolist()
     samples = [picks[k % len(picks)] for k in range(count)]  # as many passes on every rank
     counted = [self_check.Counted(p.name, held[p.key], n.norm_sq, n.plan) for p, n in norms]
     with parts.adapter.norm_pass():

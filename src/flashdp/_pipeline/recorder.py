@@ -358,7 +358,7 @@ def _on_probe_values(site: Site, inputs: tuple) -> tuple[object, object]:
     generator = torch.Generator().manual_seed(0)
 
     def draw(t: Tensor) -> Tensor:
-        return torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.device)
+        return torch.randn(t.shape, generator=generator, dtype=torch.float64, device="cpu").to(t.device)
 
     rows = tuple(x[:_PROBE_ROWS] if isinstance(x, Tensor) and x.dim() > 1 else x for x in inputs)
     probe_inputs = tuple(draw(x) if isinstance(x, Tensor) and x.is_floating_point() else x for x in rows)

@@ -65,8 +65,8 @@ def _powers_of_two(batch: int, dtypes: Sequence[torch.dtype], generator: torch.G
     Scaling by a power of two is exact in floating point, so a per-sample gradient scales exactly, rounding noise
     included: the comparison needs no magnitude floor and sees layers whose gradients are tiny next to others'."""
     top = min(_MAX_EXPONENT.get(d, 3) for d in dtypes)
-    exponents = torch.arange(batch, dtype=torch.float64) % (top + 1)
-    return 2.0 ** exponents[torch.randperm(batch, generator=generator)]
+    exponents = torch.arange(batch, dtype=torch.float64, device="cpu") % (top + 1)
+    return 2.0 ** exponents[torch.randperm(batch, generator=generator, device="cpu")]
 
 
 #: random projections of each sample's rows that the batch-independence check keeps per output
@@ -96,7 +96,8 @@ class RowSketch:
         rows = _sample_matrices(grad, shape, dim, batch)
         generator = torch.Generator().manual_seed(seed)
         left, right = (
-            torch.randn(n, PROJECTIONS, generator=generator, dtype=rows.dtype).to(rows.device) for n in rows.shape[1:]
+            torch.randn(n, PROJECTIONS, generator=generator, dtype=rows.dtype, device="cpu").to(rows.device)
+            for n in rows.shape[1:]
         )
         return RowSketch(_project(rows, left, right), _norms(rows), left, right)
 

@@ -146,7 +146,8 @@ def _local_backward(frontier: Frontier, grad_outputs: tuple, sample: int) -> Ten
     rows = []
     for nr, g in enumerate(grad_outputs):
         if g is None:
-            g = torch.zeros(frontier.node._input_metadata[nr].shape)
+            meta = frontier.node._input_metadata[nr]
+            g = torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
         only = torch.zeros_like(g)
         only[sample] = g[sample] if nr == frontier.output_nr else 0
         rows.append(only)

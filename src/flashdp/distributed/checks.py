@@ -47,7 +47,7 @@ def check_same_samples(loss: Tensor, norm_group: dist.ProcessGroup) -> None:
 
 def check_global_batch(expected_batch_size: int, local_samples: int, group: dist.ProcessGroup) -> None:
     """The samples of one step, summed over the data-parallel ranks, against `expected_batch_size`."""
-    total = _for_backend(torch.tensor([local_samples], dtype=torch.float64), group)
+    total = for_backend(torch.tensor([local_samples], dtype=torch.float64, device="cpu"), group)
     dist.all_reduce(total, group=group)
     samples, mean = int(total.item()), float(expected_batch_size)
     # Chernoff bound on a Poisson(mean) batch: P(X >= n) <= exp(-mean) (e mean / n)^n for n > mean
@@ -66,12 +66,12 @@ def highest_on_any_rank(values: list[int], group: dist.ProcessGroup | None, devi
     alone hangs the others in its collectives, and a layout one rank learns alone is wrong on the others."""
     if group is None:
         return values
-    flags = _for_backend(torch.tensor(values, dtype=torch.int64), group, device)
+    flags = for_backend(torch.tensor(values, dtype=torch.int64, device="cpu"), group, device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     return flags.tolist()
 
 
-def _for_backend(tensor: Tensor, group: dist.ProcessGroup, device: torch.device | None = None) -> Tensor:
+def for_backend(tensor: Tensor, group: dist.ProcessGroup, device: torch.device | None = None) -> Tensor:
     """`tensor` where the group's collectives take it: on a CUDA device under NCCL (`device` if it is one)."""
     if dist.get_backend(group) != "nccl":
         return tensor

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from flashdp._pipeline.profiling import PhaseTimer
 from flashdp.distributed.base import Adapter
+from flashdp.distributed.checks import for_backend
 
 
 class DDPAdapter(Adapter):
@@ -37,7 +38,7 @@ class DDPAdapter(Adapter):
             offset += g.numel()
 
     def noise_seed(self, seed: int) -> int:
-        shared = torch.tensor([seed], dtype=torch.int64)
+        shared = for_backend(torch.tensor([seed], dtype=torch.int64, device="cpu"), self.dp_group)
         dist.broadcast(shared, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
         return int(shared.item())
 

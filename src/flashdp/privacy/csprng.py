@@ -11,7 +11,9 @@ from torch import Tensor
 
 def uniform(count: int) -> Tensor:
     """`[count]` float64 uniforms in (0, 1), from 53 random bits each."""
-    bits = torch.frombuffer(bytearray(os.urandom(8 * count)), dtype=torch.int64) if count else torch.zeros(0).long()
+    if not count:
+        return torch.zeros(0, dtype=torch.float64, device="cpu")
+    bits = torch.frombuffer(bytearray(os.urandom(8 * count)), dtype=torch.int64)
     top53 = (bits >> 11) & ((1 << 53) - 1)  # int64 shifts keep the sign: mask to 53 unsigned bits
     return (top53.double() + 0.5) / 2.0**53  # never 0: log() below stays finite
 

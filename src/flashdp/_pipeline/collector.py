@@ -10,6 +10,7 @@ would.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from flashdp.errors import FlashDPError
 from flashdp.kernels import Backend
 from flashdp.kernels import backend as kernels_backend
 from flashdp.per_sample import PerSampleGrad
+from flashdp.rules.recompute import DeferredCheck, deferring_checks
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class NormCollector:
         recomputation of a norm that overflowed float32.
     shared: the outputs shared across the batch, by (call index, output index); their per-sample gradients are
         read when their call is received.
+    defer_checks: the rules' checks of their recomputations are left on the device, in `deferred`, for the
+        caller to read with its own sync (`recompute.raise_failed`) before it uses the norms.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class NormCollector:
         shared: Mapping[tuple[int, int], SharedOutput] | None = None,
         keep_calls: bool = False,
         keep_gradients: bool = False,
+        defer_checks: bool = False,
     ) -> None:
         self.plan, self.batch = plan, batch
         self._calls: list[Call | None] = list(calls)
@@ -79,6 +84,7 @@ class NormCollector:
         self._norms: dict[Hashable, ParamNorm] = {}
         self.gradients: dict[Hashable, ParamGradient] = {}
         self._unreached: list[Call] = []
+        self.deferred: list[DeferredCheck] | None = [] if defer_checks else None
 
     @property
     def calls(self) -> list[Call]:
@@ -117,7 +123,8 @@ class NormCollector:
             return {name: like.new_zeros(0, *shape) for name, shape in zip(site.trainable, shapes, strict=True)}
         mine = {j: output.per_sample for (i, j), output in self._shared.items() if i == index}
         # the generic rule re-runs forwards; under CUDA this runs on autograd's thread, where no context is set
-        with torch.no_grad(), kernels_backend(self._backend), self._recorder.paused():
+        deferring = deferring_checks(self.deferred) if self.deferred is not None else contextlib.nullcontext()
+        with torch.no_grad(), kernels_backend(self._backend), self._recorder.paused(), deferring:
             return per_sample_gradients(site, call, grads, self.batch, mine)
 
     def _finalise(self, key: Hashable) -> None:

@@ -19,6 +19,7 @@ from torch import Tensor
 from flashdp._pipeline import learning, nonfinite, self_check
 from flashdp._pipeline.clipped_sums import Keeps, Norms
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
+from flashdp._pipeline.guards import loss_finite, refuse_nonfinite_loss
 from flashdp._pipeline.knowledge import Knowledge
 from flashdp._pipeline.layout import ambiguous, ambiguous_error, dims_of, shapes_of, structure
 from flashdp._pipeline.learning import Found
@@ -34,6 +35,7 @@ from flashdp.distributed import Adapter
 from flashdp.distributed.checks import highest_on_any_rank
 from flashdp.errors import FlashDPError
 from flashdp.kernels import backend as kernels_backend
+from flashdp.rules.recompute import raise_failed
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,8 @@ def measure(
     verify, checking, refuse = map(bool, parts.on_any_rank([verify, checking, bool(unclear)], loss.device))
     if refuse:
         raise ambiguous_error(unclear)
+    if (verify or checking) and not bool(loss_finite(loss)):  # (else read with the norms': one sync)
+        refuse_nonfinite_loss(loss)  # before passes that compare values: a NaN would be blamed on a layer
     recorded = list(calls) if verify else []  # (scopes too: a layer found not batch-first is covered again)
     for _ in range(3 * len(recorded) + 2):  # each finding teaches something new about one of the calls
         outcome = _attempt(parts, known, graph, list(recorded) if verify else calls, verify, checking, keeps)
@@ -159,6 +163,7 @@ def _attempt(
         backend=parts.settings.backend,
         recorder=parts.recorder,
         shared=shared,
+        defer_checks=not verify,  # (a verifying pass may be redone: what it finds is read there)
         **keeps.for_overflow,
     )
     dims = [dims_of(known.plan, c) for c in rule_calls]
@@ -204,14 +209,23 @@ def _finish(parts: Parts, known: Knowledge, graph: LossGraph, done: _Pass, keeps
     with torch.no_grad(), kernels_backend(parts.settings.backend), parts.timer.phase("norm computation"):
         norms = done.collector.finish()
         clip_norms_sq = _group_norms_sq(norms, groups, batch, loss.device)
-        if not nonfinite.all_finite(clip_norms_sq):  # a float32 norm that overflowed, or a NaN/inf gradient
+        checks = done.collector.deferred or []
+        # the one device sync of a steady backward: the losses finite, the rules' recomputations as recorded, and
+        # the squared norms finite
+        read = torch.stack([loss_finite(loss), *(ok for ok, _ in checks), torch.isfinite(clip_norms_sq).all()])
+        losses_finite, *recomputed, finite = read.tolist()
+        if not losses_finite:
+            refuse_nonfinite_loss(loss)
+        raise_failed(checks, recomputed)
+        if not finite:  # a float32 norm that overflowed, or a NaN/inf gradient
             norms = _float64_norms(parts, known, graph, norms, done.collector, keeps)
             clip_norms_sq = _group_norms_sq(norms, groups, batch, loss.device)
         done.collector = None
         if parts.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
             with parts.timer.phase("communication"):
                 dist.all_reduce(clip_norms_sq, op=dist.ReduceOp.SUM, group=parts.norm_group)
-        skipped = nonfinite.nonfinite_samples(parts.settings.nonfinite, clip_norms_sq, norms, parts.adapter.dp_group)
+        policy, group = parts.settings.nonfinite, parts.adapter.dp_group
+        skipped = nonfinite.nonfinite_samples(policy, clip_norms_sq, norms, group, finite)
         if checking:
             _check_per_sample(parts, loss, norms, done.held, self_check.tolerance(done.dtypes), keeps.graph)
     return Measurement(norms, clip_norms_sq, skipped, {param.name: norm.strategy for param, norm in norms})
@@ -227,6 +241,7 @@ def _float64_norms(
         again = Keeps(graph=keeps.graph, plans=False, for_overflow={"keep_gradients": True})
         redo = _attempt(parts, known, graph, list(collector.calls), verify=False, checking=False, keeps=again)
         redo.collector.finish()
+        raise_failed(redo.collector.deferred)
         gradients = redo.collector.gradients
     return nonfinite.recompute_overflowed(norms, gradients, graph.loss.shape[0])
 

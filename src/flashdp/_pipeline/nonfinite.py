@@ -45,10 +45,13 @@ def _widened(
 
 
 def nonfinite_samples(
-    policy: NonFinite, group_norms_sq: Tensor, norms: Norms, dp_group: dist.ProcessGroup | None
+    policy: NonFinite, group_norms_sq: Tensor, norms: Norms, dp_group: dist.ProcessGroup | None, finite: bool
 ) -> Tensor | None:
     """`[B]` True for the samples skipped (policy "skip"), None when there are none; raises FlashDPError under
-    "error" when a sample of this rank or (so that every rank stops together) of another is not finite."""
+    "error" when a sample of this rank or (so that every rank stops together) of another is not finite. `finite`:
+    this rank's squared norms are known all finite (then nothing is read from the device unless ranks must agree)."""
+    if finite and (policy == "skip" or dp_group is None):
+        return None
     bad = ~torch.isfinite(group_norms_sq).all(0)
     found = bad.any()
     if policy == "error" and dp_group is not None:

@@ -44,18 +44,22 @@ def concat_positions(blocks: Sequence[OuterGrad]) -> OuterGrad:
 def token_norm_sq(block: OuterGrad) -> Tensor:
     """`[N]` squared norms of a token block: `sum_v ||sum_{t: id_t = v} right_t||^2` by segment sums.
 
-    O(N T d) memory, never `[N, num_rows, d]`.
+    O(N T d) memory, never `[N, num_rows, d]`. No device sync: the (sample, row) keys are sorted and each run of
+    equal keys summed into its own slot of `N T` (slots past the last run stay zero), so no size depends on data.
     """
     ids, num_rows = block.left.ids, block.left.num_rows
-    n, _, d = block.right.shape
+    n, t, d = block.right.shape
     dtype = accumulation_dtype(block.right)
     rows = torch.arange(n, device=ids.device)[:, None]
-    keys = (rows * num_rows + ids).flatten()
-    unique, inverse = torch.unique(keys, return_inverse=True)
-    sums = block.right.new_zeros(unique.numel(), d, dtype=dtype)
-    sums.index_add_(0, inverse, block.right.reshape(-1, d).to(dtype))
+    keys, order = (rows * num_rows + ids).flatten().sort()
+    starts = torch.ones_like(keys, dtype=torch.bool)
+    starts[1:] = keys[1:] != keys[:-1]
+    run = starts.cumsum(0) - 1  # [N T] the run of equal keys each sorted position belongs to
+    sums = block.right.new_zeros(n * t, d, dtype=dtype)
+    sums.index_add_(0, run, block.right.reshape(-1, d)[order].to(dtype))
+    sample = torch.zeros(n * t, dtype=torch.long, device=ids.device).scatter_(0, run, keys // num_rows)
     out = block.right.new_zeros(n, dtype=dtype)
-    return out.index_add_(0, unique // num_rows, torch.linalg.vector_norm(sums, dim=1).square())
+    return out.index_add_(0, sample, torch.linalg.vector_norm(sums, dim=1).square())
 
 
 def token_inner_with_per_sample(per_sample: Tensor, block: OuterGrad) -> Tensor:

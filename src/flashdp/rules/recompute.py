@@ -4,7 +4,9 @@ gives the recorded output, and the refusal of calls they cannot take apart by sa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -14,6 +16,31 @@ from flashdp.per_sample import LayerCall
 
 #: Relative error allowed between a recorded output and its recomputation (which may round differently).
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+#: a check left on the device: `[]` bool (passed), and the error to raise if it did not
+DeferredCheck = tuple[Tensor, Callable[[], Exception]]
+_deferred: contextvars.ContextVar[list[DeferredCheck] | None] = contextvars.ContextVar("flashdp_deferred", default=None)
+
+
+@contextlib.contextmanager
+def deferring_checks(into: list[DeferredCheck]) -> Iterator[None]:
+    """Inside, `check_recomputed` leaves its verdict in `into` instead of waiting for the device: the caller reads
+    them all with one sync (`raise_failed`) before anything depends on the recomputations. Entered on the thread
+    that runs the rules (autograd's own, on CUDA)."""
+    token = _deferred.set(into)
+    try:
+        yield
+    finally:
+        _deferred.reset(token)
+
+
+def raise_failed(checks: list[DeferredCheck], passed: list[bool] | None = None) -> None:
+    """Raise the first failed check's error; `passed`: the checks' verdicts if already read (else one sync)."""
+    if passed is None:
+        passed = torch.stack([ok for ok, _ in checks]).tolist() if checks else []
+    for (_, error), ok in zip(checks, passed, strict=True):
+        if not ok:
+            raise error()
 
 
 def autocast_like(call: LayerCall) -> contextlib.AbstractContextManager:
@@ -53,16 +80,24 @@ def check_recomputed(label: str, recorded: Tensor | None, again: Tensor, how: st
     tolerance = _TOLERANCE.get(recorded.dtype, 3e-2)
     scale = recorded.detach().double().norm().clamp_min(1e-30)
     error = (again.detach().double() - recorded.detach().double()).norm() / scale
-    if not bool(error <= tolerance):
-        raise FlashDPError(
-            f"flashdp recomputed {label}'s output {how} and got another result (relative difference "
-            f"{float(error):.2g}). The evidence cannot tell these causes apart: (1) its forward is random (dropout in "
-            "training mode): make it deterministic (eval(), or dropout 0); (2) it keeps state between calls: reset "
-            "it, or freeze its parameters; (3) it mixes samples: compute each sample's output from that sample "
-            "alone; (4) an input that is not per-sample has the batch size B in its first dim by coincidence (a "
-            "pooled or relative-position length, a table of B rows) and was split as one row per sample: use a batch "
-            "size that differs from those lengths, or register a rule for its type with flashdp.register_rule(...)."
-        )
+    failure = functools.partial(_recomputed_differently, label, how, error)
+    deferred = _deferred.get()
+    if deferred is not None:
+        deferred.append((error <= tolerance, failure))
+    elif not bool(error <= tolerance):
+        raise failure()
+
+
+def _recomputed_differently(label: str, how: str, error: Tensor) -> FlashDPError:
+    return FlashDPError(
+        f"flashdp recomputed {label}'s output {how} and got another result (relative difference "
+        f"{float(error):.2g}). The evidence cannot tell these causes apart: (1) its forward is random (dropout in "
+        "training mode): make it deterministic (eval(), or dropout 0); (2) it keeps state between calls: reset "
+        "it, or freeze its parameters; (3) it mixes samples: compute each sample's output from that sample "
+        "alone; (4) an input that is not per-sample has the batch size B in its first dim by coincidence (a "
+        "pooled or relative-position length, a table of B rows) and was split as one row per sample: use a batch "
+        "size that differs from those lengths, or register a rule for its type with flashdp.register_rule(...)."
+    )
 
 
 def require_own_batch(call: LayerCall, what: str) -> None:

@@ -62,7 +62,7 @@ class Wide(nn.Module):
         self.act, self.head = nn.PReLU(), nn.Linear(16, 5)
 
     def forward(self, ids):
-        h = self.tokens(ids) + self.positions(torch.arange(ids.shape[1])[None])
+        h = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device)[None])
         h = self.group_norm(self.conv(h.transpose(1, 2))).transpose(1, 2)
         h = self.norm(h)
         h, _ = self.attention(h, h, h)

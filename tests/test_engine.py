@@ -178,3 +178,44 @@ def test_strategies_follow_the_cost_model_per_batch_shape():
         assert engine.strategies["weight"] == "ghost"
         engine.backward(model(torch.randn(2, 200, 64)).sum((1, 2)))
         assert engine.strategies["weight"] == "direct"
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_strategies_name_the_parameters_of_a_backward_refused_after_its_norms(mode):
+    """A NaN gradient with a finite loss (sqrt at 0) is refused once the norms are in: `strategies` still shows how
+    each reached parameter's norm was computed (what to look at), not the previous backward's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    x = torch.randn(3, 3)
+    out = model(x)
+    loss = torch.sqrt((out - out.detach()).square().sum(1))  # 0 with an infinite gradient at 0
+    with pytest.raises(flashdp.FlashDPError, match="not finite"):
+        engine.backward(loss)
+    assert set(engine.strategies) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+
+
+def test_the_step_settings_can_be_changed_on_the_engine():
+    """noise_multiplier, expected_batch_size, sample_rate and optimizer are the step's, read and set there."""
+    torch.manual_seed(0)
+    models = [nn.Linear(3, 2), nn.Linear(3, 2)]
+    models[1].load_state_dict(models[0].state_dict())
+    x = torch.randn(4, 3)
+    engines = []
+    for model, sigma in zip(models, (0.0, 5.0), strict=True):
+        engine = flashdp.make_private(
+            model, max_grad_norm=1.0, noise_multiplier=sigma, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            expected_batch_size=8, sample_rate=0.5, seed=0,
+        )  # fmt: skip
+        engines.append(engine)
+    engines[1].noise_multiplier, engines[1].expected_batch_size = 0.0, 4
+    engines[0].expected_batch_size = 4
+    for model, engine in zip(models, engines, strict=True):
+        engine.backward(model(x).sum(1))
+        engine.step()
+    assert engines[1].noisy_step.noise_multiplier == 0.0 and engines[1].expected_batch_size == 4
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    replacement = torch.optim.SGD(models[1].parameters(), lr=0.0)
+    engines[1].optimizer = replacement
+    assert engines[1].noisy_step.optimizer is replacement

@@ -38,6 +38,15 @@ from flashdp.privacy import NoiseSource
 from flashdp.privacy.settings import PrivacyRequest
 
 
+def _of_the_step(name: str) -> property:
+    """An engine attribute that is the noisy step's (`NoisyStep`): read and set there."""
+    return property(
+        lambda engine: getattr(engine.noisy_step, name),
+        lambda engine, value: setattr(engine.noisy_step, name, value),
+        doc=f"`engine.noisy_step.{name}`.",
+    )
+
+
 class DPEngine:
     """Exact per-sample gradient clipping (and, with `step()`, DP-SGD) for a model it does not wrap.
 
@@ -83,12 +92,11 @@ class DPEngine:
         generator = torch.Generator().manual_seed(0)
         recorder = self._attachment.recorder
         self._parts = Parts(
-            settings, self._adapter, self._timer, recorder, model.named_parameters, norm_group, generator
+            settings, self._adapter, self._timer, recorder, model.named_parameters, norm_group, generator, {}
         )
         self._backward_calls = 0
         self._last_loss_node: int | None = None
         self._skipped_samples = 0
-        self._strategies: dict[str, str] = {}
 
     def _checked_norm_group(self, norm_group: dist.ProcessGroup | None) -> bool:
         """Whether nothing is left to check of the norm group (its samples are checked at the first backward)."""
@@ -122,21 +130,11 @@ class DPEngine:
     def max_grad_norm(self) -> float:
         return self.settings.max_grad_norm
 
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        return self.noisy_step.optimizer
-
-    @property
-    def noise_multiplier(self) -> float:
-        return self.noisy_step.noise_multiplier
-
-    @property
-    def expected_batch_size(self) -> int | None:
-        return self.noisy_step.expected_batch_size
-
-    @property
-    def sample_rate(self) -> float | None:
-        return self.noisy_step.sample_rate
+    # (the step's: read and set there)
+    optimizer = _of_the_step("optimizer")
+    noise_multiplier = _of_the_step("noise_multiplier")
+    expected_batch_size = _of_the_step("expected_batch_size")
+    sample_rate = _of_the_step("sample_rate")
 
     @property
     def skipped_samples(self) -> int:
@@ -147,7 +145,7 @@ class DPEngine:
     def strategies(self) -> dict[str, str]:
         """Per trainable parameter reached in the last backward, how its norm was computed (e.g. "ghost",
         "direct", "direct+tokens", "per-sample"): what to look at when a layer is slow. Also in the profile."""
-        return dict(self._strategies)
+        return dict(self._parts.strategies)
 
     # -- clipping -----------------------------------------------------------------------------------------
 
@@ -238,7 +236,6 @@ class DPEngine:
         with self._attachment.grad_writes.refusing():
             measured, known = measure(self._parts, self._known, loss, forward.calls, index, keeps)
         self._commit(known)
-        self._strategies = measured.strategies
         return measured
 
     def _coefficients(self, measured: Measurement) -> tuple[Tensor, Norms]:
@@ -264,7 +261,7 @@ class DPEngine:
         `p.grad = (p.grad + N(0, sigma^2 C^2 I)) / expected_batch_size`, then `optimizer.step()`,
         `optimizer.zero_grad()` and one accountant step (`NoisyStep`)."""
         self.noisy_step()
-        self._timer.report(self.steps, self._strategies)
+        self._timer.report(self.steps, self.strategies)
 
     def data_loader(
         self,

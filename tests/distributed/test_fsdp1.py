@@ -1,5 +1,9 @@
 """FSDP1 (FullyShardedDataParallel), use_orig_params False and True, on 2 gloo processes."""
 
+import torch
+
+from tests.distributed import workloads
+from tests.distributed.launch import run
 from tests.distributed.suite import (
     AdapterSuite,
     check_noise_once_per_coordinate_with_the_right_std,
@@ -21,3 +25,27 @@ def test_noise_once_per_coordinate_with_the_right_std():
 
 def test_shards_draw_independent_noise():
     check_shards_draw_independent_noise("fsdp1")
+
+
+def test_an_output_broadcast_over_the_batch_stays_shared_when_its_size_fits_the_batch_later():
+    """Positions of [T] ids, found shared at T=5, B=4; at T=4, B=2 the [T, d] output's size fits 2 rows per sample:
+    only what the first step learnt keeps it shared (FSDP1 cannot verify)."""
+    for rank in run(workloads.rank_positions_under_fsdp1, workloads.POSITION_STEPS):
+        for norms, expected in rank["steps"]:
+            torch.testing.assert_close(norms, expected.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_an_output_broadcast_over_the_batch_whose_size_fits_the_batch_is_refused_on_a_first_step():
+    """At T=4, B=2 first, sizes cannot tell a shared [T, d] from 2 rows per sample: refused on every rank, then a
+    step whose sizes tell is exact."""
+    for rank in run(workloads.rank_positions_under_fsdp1, [(2, 4), (4, 5), (2, 4)]):
+        refused, *exact = rank["steps"]
+        assert "fits the batch by size" in refused and "positions" in refused
+        for norms, expected in exact:
+            torch.testing.assert_close(norms, expected.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_fewer_losses_than_samples_are_refused_naming_the_mismatch():
+    """Under FSDP the coverage walk's own errors come before the refusal of what FSDP cannot count."""
+    for error in run(workloads.rank_with_fewer_losses_than_samples, "fsdp1-orig"):
+        assert "Batch size mismatch" in error, error

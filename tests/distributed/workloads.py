@@ -1,11 +1,14 @@
 """What the distributed tests run on 2 gloo processes: a small model, its data split over the ranks, each wrapper
 (DDP, FSDP2, FSDP1 with and without use_orig_params), and one DP step."""
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import flashdp
+from tests import oracle
 
 GRADIENT_COLLECTIVES = ("allreduce", "all_reduce", "reduce_scatter")
 
@@ -217,3 +220,62 @@ def single_process_steps(mode: str) -> tuple[list[torch.Tensor], list[torch.Tens
     model = build_time_major_model()
     norms = _train_steps(model, mode, step_batches())
     return norms, [p.detach().clone() for p in model.parameters()]
+
+
+class Positions(nn.Module):
+    """A position embedding looked up with ids `[T]`: its output `[T, d]` is broadcast over the batch `[B, T, d]`;
+    with T a multiple of B its size alone fits a batch of B * k rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions, self.head = nn.Embedding(11, 6), nn.Embedding(8, 6), nn.Linear(6, 11)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))))
+
+
+#: per step, (B, T) on each rank: T not a multiple of B first (the embedding is found shared), then T == 2B
+POSITION_STEPS = [(4, 5), (2, 4)]
+
+
+def _position_batches(rank: int, steps: list[tuple[int, int]]) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3 + rank)
+    return [torch.randint(0, 11, (b, t), generator=generator) for b, t in steps]
+
+
+def rank_positions_under_fsdp1(rank: int, steps: list[tuple[int, int]]) -> dict:
+    """FSDP1 (no verifying pass) over `Positions`: each step's norms with the float64 oracle's, or the error."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    model = Positions().double()
+    wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+    engine = flashdp.make_private(
+        wrapped, max_grad_norm=1.0, noise_multiplier=0.0, optimizer=torch.optim.SGD(wrapped.parameters(), lr=LR),
+        expected_batch_size=8, sample_rate=0.1,
+    )  # fmt: skip
+    found = []
+    for ids in _position_batches(rank, steps):
+        with FullyShardedDataParallel.summon_full_params(wrapped):
+            alone = copy.deepcopy(model)
+        grads = oracle.per_sample_grads(alone, lambda part, m=alone, x=ids: per_sample_loss(m, x[part]), len(ids))
+        expected = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+        try:
+            found.append((engine.backward(per_sample_loss(wrapped, ids)), expected))
+        except flashdp.FlashDPError as error:
+            found.append(str(error))
+            continue
+        engine.step()
+    return {"steps": found}
+
+
+def rank_with_fewer_losses_than_samples(rank: int, wrapper: str) -> str:
+    """3 per-sample losses after a forward of 4 samples: the error the backward raises."""
+    wrapped = wrap(build_model(), wrapper)
+    engine = flashdp.make_private(wrapped, max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=8)
+    ids = global_batch()[:4]
+    try:
+        engine.backward(per_sample_loss(wrapped, ids)[:3])
+    except flashdp.FlashDPError as error:
+        return str(error)
+    return "no error"

@@ -65,7 +65,8 @@ def time_major_dim(plan: GradientPlan, call: Call, batch: int) -> int | None:
     return next((d for d in dims if d > current), None)
 
 
-#: a call whose batch dim sizes alone cannot tell: (label, output shape, the dims of size B)
+#: a call whose batch dim sizes alone cannot tell: (label, output shape, the dims of size B, or [] for an output
+#: that fits the batch by size but that a later op broadcasts over the batch)
 Ambiguous = tuple[str, torch.Size, list[int]]
 
 
@@ -96,10 +97,19 @@ def ambiguous_error(found: list[Ambiguous]) -> FlashDPError:
         return another_rank_refused()
     label, shape, dims = found[0]
     more = f" (and {len(found) - 1} more layers)" if len(found) > 1 else ""
+    if dims:
+        why = (
+            f"has this rank's batch size in dims {dims}{more}: the batch could be any of them (batch-first "
+            "[B, T, ...], or time-major [T, B, ...] with T equal to B)"
+        )
+    else:
+        why = (
+            f"fits the batch by size (B or a multiple of B rows in dim 0){more}, yet a later op broadcasts it over "
+            "the batch: it may be shared by every sample (a position embedding of [T] ids with T a multiple of B)"
+        )
     return FlashDPError(
         f"Under FSDP1, which cannot run flashdp's verifying pass, a layer's batch dim is told by size alone, and the "
-        f"output of layer {label}, of shape {tuple(shape)}, has this rank's batch size in dims {dims}{more}: the batch "
-        "could be any of them (batch-first [B, T, ...], or time-major [T, B, ...] with T equal to B). Nothing was "
-        "added to .grad. Use FSDP2 (fully_shard) or DDP, where flashdp verifies the layout; or give every rank a "
-        "batch size that differs from these dims' sizes (e.g. pad the sequence to another length)."
+        f"output of layer {label}, of shape {tuple(shape)}, {why}. Nothing was added to .grad. Use FSDP2 "
+        "(fully_shard) or DDP, where flashdp verifies the layout; or give every rank a batch size that differs "
+        "from these sizes (e.g. pad the sequence to another length)."
     )

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from flashdp._pipeline import coverage, shared_outputs
 from flashdp._pipeline.knowledge import Knowledge
-from flashdp._pipeline.layout import dims_of, lacks_batch, time_major_dim
+from flashdp._pipeline.layout import Ambiguous, dims_of, lacks_batch, time_major_dim
 from flashdp._pipeline.loss_graph import LossGraph
 from flashdp._pipeline.recorder import Call
 from flashdp.errors import FlashDPError
@@ -47,14 +47,14 @@ def cover(
             dims = {calls[i].module: d for i, d in time_major.items()}
             known = known.with_plan(known.plan.with_batch_dims(dims))
             continue
-        if reshards:
-            raise _enclosing_rule_under_fsdp_error(found.uses)
         if found.uses:
             targets = coverage.promotions(found.uses, calls, known.plan)
         else:
             targets = coverage.layout_promotions(
                 misfits, calls, known.plan, found.enclosing, batch, known.not_batch_first
             )
+        if reshards:  # (after the promotions: the errors they raise name the cause more precisely)
+            raise _enclosing_rule_under_fsdp_error(found.uses)
         plan = known.plan
         for module, keys in targets.items():
             plan = plan.promote(module, keys)
@@ -110,6 +110,21 @@ def shared(
                 if frontiers:
                     found[(i, j)] = shared_outputs.SharedOutput(edge, meta.shape, frontiers)
     return found, known.sharing(id(calls[i].module) for i, _ in found)
+
+
+def broadcast_though_fitting(known: Knowledge, graph: LossGraph, calls: list[Call]) -> list[Ambiguous]:
+    """Rule site outputs whose size fits the batch (B, or B * k rows) but that a later op broadcasts over the
+    batch: shared across the batch, or rows broadcast again; where no verifying pass can run, sizes cannot tell."""
+    batch = graph.loss.shape[0]
+    found = []
+    for call in calls if batch > 1 else ():
+        site = known.plan.site(call.module)
+        if site.match is None or id(call.module) in known.shared_sites:
+            continue
+        for edge, meta, dim in zip(call.edges, call.output_meta, dims_of(known.plan, call), strict=True):
+            if not lacks_batch(meta.shape, dim, batch) and graph.frontiers(edge, batch):
+                found.append((site.label, meta.shape, []))
+    return found
 
 
 def explain_failures(

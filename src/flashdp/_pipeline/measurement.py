@@ -21,7 +21,7 @@ from flashdp._pipeline.clipped_sums import Keeps, Norms
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
 from flashdp._pipeline.guards import loss_finite, refuse_nonfinite_loss
 from flashdp._pipeline.knowledge import Knowledge
-from flashdp._pipeline.layout import ambiguous, ambiguous_error, dims_of, shapes_of, structure
+from flashdp._pipeline.layout import Ambiguous, ambiguous, ambiguous_error, dims_of, shapes_of, structure
 from flashdp._pipeline.learning import Found
 from flashdp._pipeline.loss_graph import LossGraph
 from flashdp._pipeline.norm_pass import stream_output_gradients
@@ -52,6 +52,9 @@ class Parts:
     norm_group: dist.ProcessGroup | None
     #: the self-check's random choices, the same on every rank
     check_generator: torch.Generator
+    #: how each parameter's norm was computed in the last backward that reached its norms (`engine.strategies`,
+    #: also after a backward refused later: what to look at when a layer is slow or fails)
+    strategies: dict[str, str]
 
     def on_any_rank(self, flags: Iterable[int], device: torch.device) -> list[int]:
         """Each flag, the highest any data-parallel rank has: every rank takes the same decision."""
@@ -61,20 +64,20 @@ class Parts:
 @dataclass
 class Measurement:
     """Each reached parameter's squared norms `[B]` (and clipped-sum plan), the clipping groups' squared norms
-    `[L, B]` float64, the samples whose gradient is not finite (nonfinite="skip") or None, and how each
-    parameter's norm was computed."""
+    `[L, B]` float64, and the samples whose gradient is not finite (nonfinite="skip") or None."""
 
     norms: Norms
     clip_norms_sq: Tensor
     skipped: Tensor | None
-    strategies: dict[str, str]
 
 
 @dataclass
 class _Pass:
-    """A norm pass that went through: its collector, whether it decided the layout for later steps, each
-    trainable parameter as the forward used it (for the self-check) and the dtypes it saw."""
+    """A norm pass that went through: what it learnt (the outputs it found shared across the batch), its
+    collector, whether it decided the layout for later steps, each trainable parameter as the forward used it (for
+    the self-check) and the dtypes it saw."""
 
+    known: Knowledge
     collector: NormCollector
     decided: bool
     held: dict[object, Tensor]
@@ -105,7 +108,9 @@ def measure(
         known, checking = _cover(parts, known, graph, calls, checking)
     verify = (checking or new_structure) and parts.adapter.allows_second_pass
     verify &= batch > 1 or parts.adapter.world_size > 1  # (FSDP collectives: every rank runs the passes)
-    unclear = ambiguous(known.plan, shapes, batch) if new_structure and not parts.adapter.allows_second_pass else []
+    unclear = (
+        _unverifiable(known, graph, calls, shapes) if new_structure and not parts.adapter.allows_second_pass else []
+    )
     verify, checking, refuse = map(bool, parts.on_any_rank([verify, checking, bool(unclear)], loss.device))
     if refuse:
         raise ambiguous_error(unclear)
@@ -114,9 +119,9 @@ def measure(
     recorded = list(calls) if verify else []  # (scopes too: a layer found not batch-first is covered again)
     for _ in range(3 * len(recorded) + 2):  # each finding teaches something new about one of the calls
         outcome = _attempt(parts, known, graph, list(recorded) if verify else calls, verify, checking, keeps)
+        known = outcome.known
         if isinstance(outcome, _Pass):
             break
-        known = outcome.known
         if outcome.cover_again:
             known, checking = _cover(parts, known, graph, list(recorded), checking)
             checking = bool(parts.on_any_rank([checking], loss.device)[0])
@@ -129,6 +134,13 @@ def measure(
     if batch > 1 and outcome.decided and (verify or new_structure):
         known = known.verifying(structure(known.plan, shapes, batch), structure(known.plan, shapes, 1))
     return measurement, known
+
+
+def _unverifiable(known: Knowledge, graph: LossGraph, calls: list[Call], shapes: list) -> list[Ambiguous]:
+    """Under a wrapper that cannot run a verifying pass (FSDP1), the outputs whose batch dim sizes alone cannot
+    tell: B in two dims, or a size that fits the batch on an output broadcast over it."""
+    batch = graph.loss.shape[0]
+    return ambiguous(known.plan, shapes, batch) + learning.broadcast_though_fitting(known, graph, calls)
 
 
 def _cover(
@@ -177,10 +189,10 @@ def _attempt(
             graph, passed, receiver(collector, verifying), {i for i, _ in shared}, retain, prepare=collector.unpack
         )
     if verifying is None:
-        return _Pass(collector, True, held, dtypes)
+        return _Pass(known, collector, True, held, dtypes)
     found, known = _verdict(parts, known, graph, verifying)
     if found is Found.VERIFIED:
-        return _Pass(collector, verifying.every_sample_seen(), held, dtypes)
+        return _Pass(known, collector, verifying.every_sample_seen(), held, dtypes)
     return _Finding(known, cover_again=found is Found.NOT_BATCH_FIRST)
 
 
@@ -208,6 +220,8 @@ def _finish(parts: Parts, known: Knowledge, graph: LossGraph, done: _Pass, keeps
     loss, batch, groups = graph.loss, graph.loss.shape[0], len(known.plan.clip_group_names)
     with torch.no_grad(), kernels_backend(parts.settings.backend), parts.timer.phase("norm computation"):
         norms = done.collector.finish()
+        parts.strategies.clear()
+        parts.strategies.update((param.name, norm.strategy) for param, norm in norms)
         clip_norms_sq = _group_norms_sq(norms, groups, batch, loss.device)
         checks = done.collector.deferred or []
         # the one device sync of a steady backward: the losses finite, the rules' recomputations as recorded, and
@@ -228,7 +242,7 @@ def _finish(parts: Parts, known: Knowledge, graph: LossGraph, done: _Pass, keeps
         skipped = nonfinite.nonfinite_samples(policy, clip_norms_sq, norms, group, finite)
         if checking:
             _check_per_sample(parts, loss, norms, done.held, self_check.tolerance(done.dtypes), keeps.graph)
-    return Measurement(norms, clip_norms_sq, skipped, {param.name: norm.strategy for param, norm in norms})
+    return Measurement(norms, clip_norms_sq, skipped)
 
 
 def _float64_norms(

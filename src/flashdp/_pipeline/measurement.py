@@ -294,8 +294,12 @@ def _check_per_sample(parts: Parts, loss: Tensor, norms: Norms, held: dict, rtol
 
 
 def _group_norms_sq(norms: Norms, groups: int, batch: int, device: torch.device) -> Tensor:
-    """`[L, B]` float64 squared norms of the L clipping groups."""
+    """`[L, B]` float64 squared norms of the L clipping groups (a stack and a sum per group, not an add per
+    parameter)."""
     total = torch.zeros(groups, batch, dtype=torch.float64, device=device)
+    members: dict[int, list[Tensor]] = {}
     for param, norm in norms:
-        total[param.clip_group] += norm.norm_sq.to(total.dtype)
+        members.setdefault(param.clip_group, []).append(norm.norm_sq.to(torch.float64))
+    for group, norms_sq in members.items():
+        total[group] = torch.stack(norms_sq).sum(0)
     return total

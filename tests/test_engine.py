@@ -219,3 +219,24 @@ def test_the_step_settings_can_be_changed_on_the_engine():
     replacement = torch.optim.SGD(models[1].parameters(), lr=0.0)
     engines[1].optimizer = replacement
     assert engines[1].noisy_step.optimizer is replacement
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_non_finite_loss_on_a_steady_step_is_refused_before_its_forward_is_taken(mode):
+    """The loss is checked before anything runs on it: the same forward then takes a backward on a fixed loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.PReLU(), nn.Linear(6, 2)).double()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    engine.backward(model(x).square().sum(1))  # (the first backward verifies; the next is steady)
+    model.zero_grad()
+    out = model(x)
+    with pytest.raises(flashdp.FlashDPError, match="Non-finite per-sample losses at batch indices \\[1\\]"):
+        engine.backward(out.square().sum(1) * torch.tensor([1.0, float("nan"), 1.0], dtype=torch.float64))
+    params = list(model.parameters())
+    expected = [
+        torch.cat([g.flatten() for g in torch.autograd.grad(out[i].square().sum(), params, retain_graph=True)]).norm()
+        for i in range(3)
+    ]
+    norms = engine.backward(out.square().sum(1))
+    torch.testing.assert_close(norms.double(), torch.stack(expected), rtol=1e-5, atol=1e-8)

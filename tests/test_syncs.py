@@ -1,10 +1,11 @@
 """Host-device synchronisations in a steady-state step, counted on the CPU: every operation that makes the host wait
 for a GPU (a value read back, a size that depends on data, a copy to the host).
 
-The budget: ONE per `engine.backward` and none per `engine.step()` on one process. That one reads, together, the
-losses' finiteness, the rules' checks of their recomputations (attention, recurrent, generic) and the squared norms'
-finiteness: the norms must be known finite before anything is clipped (a float32 overflow is recomputed in
-float64, a NaN refused or skipped), so a step cannot go without it. Under DDP or FSDP the step adds one (the
+The budget: TWO per `engine.backward` and none per `engine.step()` on one process. The first reads the losses'
+finiteness before the forward's calls are taken (a refused loss leaves the forward to a backward on a fixed one,
+and no pass runs on NaN). The second reads, together, the rules' checks of their recomputations (attention,
+recurrent, generic) and the squared norms' finiteness: the norms must be known finite before anything is clipped
+(a float32 overflow is recomputed in float64, a NaN refused or skipped). Under DDP or FSDP the step adds one (the
 global batch size checked against expected_batch_size) and nonfinite="error" one (every rank stops together). The
 first backward of a forward structure and each self-check take more: they compare values.
 On CUDA, `torch.cuda.set_sync_debug_mode("warn")` reports the same (see benchmarks/gpu/CHECKLIST.md)."""
@@ -75,7 +76,7 @@ MODES = ["bk", "ghost"] + (["flash"] if triton_unavailable_reason() is None else
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("options", [{}, {"clipping": "per_layer", "nonfinite": "skip"}], ids=str)
-def test_a_steady_step_waits_for_the_device_once_per_backward(mode, options):
+def test_a_steady_step_waits_for_the_device_twice_per_backward(mode, options):
     torch.manual_seed(0)
     model = Wide()
     engine = flashdp.make_private(
@@ -91,7 +92,7 @@ def test_a_steady_step_waits_for_the_device_once_per_backward(mode, options):
         engine.backward(loss)
     with Syncs() as step:
         engine.step()
-    assert sum(backward.sites.values()) == 1, dict(backward.sites)
+    assert sum(backward.sites.values()) == 2, dict(backward.sites)
     assert not step.sites, dict(step.sites)
 
 

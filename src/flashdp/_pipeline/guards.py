@@ -85,15 +85,9 @@ def check_loss(loss: object) -> Tensor:
         )
     if not loss.requires_grad:
         raise FlashDPError("The loss does not require grad: compute it from the model's output with grad enabled.")
+    # (a sync, before the forward's calls are taken: a refused loss leaves the forward to a backward on a fixed one)
+    finite = torch.isfinite(loss.detach())
+    if not bool(finite.all()):
+        bad = torch.nonzero(~finite).flatten().tolist()
+        raise FlashDPError(f"Non-finite per-sample losses at batch indices {bad[:20]}: fix them before clipping.")
     return loss
-
-
-def loss_finite(loss: Tensor) -> Tensor:
-    """`[]` bool on the loss's device: every per-sample loss is finite. Read it where a sync is taken anyway."""
-    return torch.isfinite(loss.detach()).all()
-
-
-def refuse_nonfinite_loss(loss: Tensor) -> None:
-    """Raise naming the samples whose loss is not finite (where `loss_finite` was found false)."""
-    bad = torch.nonzero(~torch.isfinite(loss.detach())).flatten().tolist()
-    raise FlashDPError(f"Non-finite per-sample losses at batch indices {bad[:20]}: fix them before clipping.")

@@ -19,7 +19,6 @@ from torch import Tensor
 from flashdp._pipeline import learning, nonfinite, self_check
 from flashdp._pipeline.clipped_sums import Keeps, Norms
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
-from flashdp._pipeline.guards import loss_finite, refuse_nonfinite_loss
 from flashdp._pipeline.knowledge import Knowledge
 from flashdp._pipeline.layout import Ambiguous, ambiguous, ambiguous_error, dims_of, shapes_of, structure
 from flashdp._pipeline.learning import Found
@@ -114,8 +113,6 @@ def measure(
     verify, checking, refuse = map(bool, parts.on_any_rank([verify, checking, bool(unclear)], loss.device))
     if refuse:
         raise ambiguous_error(unclear)
-    if (verify or checking) and not bool(loss_finite(loss)):  # (else read with the norms': one sync)
-        refuse_nonfinite_loss(loss)  # before passes that compare values: a NaN would be blamed on a layer
     recorded = list(calls) if verify else []  # (scopes too: a layer found not batch-first is covered again)
     for _ in range(3 * len(recorded) + 2):  # each finding teaches something new about one of the calls
         outcome = _attempt(parts, known, graph, list(recorded) if verify else calls, verify, checking, keeps)
@@ -224,12 +221,8 @@ def _finish(parts: Parts, known: Knowledge, graph: LossGraph, done: _Pass, keeps
         parts.strategies.update((param.name, norm.strategy) for param, norm in norms)
         clip_norms_sq = _group_norms_sq(norms, groups, batch, loss.device)
         checks = done.collector.deferred or []
-        # the one device sync of a steady backward: the losses finite, the rules' recomputations as recorded, and
-        # the squared norms finite
-        read = torch.stack([loss_finite(loss), *(ok for ok, _ in checks), torch.isfinite(clip_norms_sq).all()])
-        losses_finite, *recomputed, finite = read.tolist()
-        if not losses_finite:
-            refuse_nonfinite_loss(loss)
+        # one device sync for the rules' recomputations as recorded and the squared norms finite
+        *recomputed, finite = torch.stack([*(ok for ok, _ in checks), torch.isfinite(clip_norms_sq).all()]).tolist()
         raise_failed(checks, recomputed)
         if not finite:  # a float32 norm that overflowed, or a NaN/inf gradient
             norms = _float64_norms(parts, known, graph, norms, done.collector, keeps)

@@ -217,13 +217,13 @@ def _finish(parts: Parts, known: Knowledge, graph: LossGraph, done: _Pass, keeps
     loss, batch, groups = graph.loss, graph.loss.shape[0], len(known.plan.clip_group_names)
     with torch.no_grad(), kernels_backend(parts.settings.backend), parts.timer.phase("norm computation"):
         norms = done.collector.finish()
-        parts.strategies.clear()
-        parts.strategies.update((param.name, norm.strategy) for param, norm in norms)
         clip_norms_sq = _group_norms_sq(norms, groups, batch, loss.device)
         checks = done.collector.deferred or []
         # one device sync for the rules' recomputations as recorded and the squared norms finite
         *recomputed, finite = torch.stack([*(ok for ok, _ in checks), torch.isfinite(clip_norms_sq).all()]).tolist()
-        raise_failed(checks, recomputed)
+        raise_failed(checks, recomputed)  # (as if raised in the pass: before the strategies are known)
+        parts.strategies.clear()
+        parts.strategies.update((param.name, norm.strategy) for param, norm in norms)
         if not finite:  # a float32 norm that overflowed, or a NaN/inf gradient
             norms = _float64_norms(parts, known, graph, norms, done.collector, keeps)
             clip_norms_sq = _group_norms_sq(norms, groups, batch, loss.device)

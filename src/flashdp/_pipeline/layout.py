@@ -3,6 +3,7 @@ on, and the questions the layout learning asks (`learning.py`). Pure functions o
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -12,6 +13,7 @@ from flashdp._pipeline.norm_pass import batch_dims
 from flashdp._pipeline.plan import GradientPlan
 from flashdp._pipeline.recorder import Call
 from flashdp.errors import FlashDPError
+from flashdp.per_sample import OutputMeta
 
 
 class CallShape(NamedTuple):
@@ -33,6 +35,23 @@ def lacks_batch(shape: torch.Size, dim: int, batch: int) -> bool:
 def dims_of(plan: GradientPlan, call: Call | CallShape) -> tuple[int, ...]:
     """The batch dim of each of the call's outputs, as its site's rule reads them."""
     return batch_dims(plan.site(call.module), call)
+
+
+class Output(NamedTuple):
+    """One recorded output of a rule site's call, with the dim its rule reads the batch in."""
+
+    call: int
+    index: int
+    meta: OutputMeta
+    dim: int
+
+
+def outputs(plan: GradientPlan, calls: Sequence[Call | CallShape]) -> Iterator[Output]:
+    """Every output of the calls of rule sites (a scope only encloses them), in call order."""
+    for i, call in enumerate(calls):
+        if plan.site(call.module).match is not None:
+            for j, (meta, dim) in enumerate(zip(call.output_meta, dims_of(plan, call), strict=True)):
+                yield Output(i, j, meta, dim)
 
 
 def structure(plan: GradientPlan, shapes: list[CallShape], batch: int) -> tuple:
@@ -74,16 +93,13 @@ def ambiguous(plan: GradientPlan, shapes: list[CallShape], batch: int) -> list[A
     """The rule site calls with B in more than one dim before the features (where only a verifying pass, which
     FSDP1 cannot run, tells which is the batch)."""
     found = []
-    for call in shapes if batch > 1 else ():
-        site = plan.site(call.module)
-        if site.match is None:
-            continue
-        for meta, dim in zip(call.output_meta, dims_of(plan, call), strict=True):
-            dims = {d for d in range(len(meta.shape) - 1) if meta.shape[d] == batch}
-            if not lacks_batch(meta.shape, dim, batch):
-                dims.add(dim)
-            if len(dims) > 1:
-                found.append((site.label, meta.shape, sorted(dims)))
+    for out in outputs(plan, shapes) if batch > 1 else ():
+        shape = out.meta.shape
+        dims = {d for d in range(len(shape) - 1) if shape[d] == batch}
+        if not lacks_batch(shape, out.dim, batch):
+            dims.add(out.dim)
+        if len(dims) > 1:
+            found.append((plan.site(shapes[out.call].module).label, shape, sorted(dims)))
     return found
 
 

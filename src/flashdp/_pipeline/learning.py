@@ -11,7 +11,7 @@ from torch import Tensor
 
 from flashdp._pipeline import coverage, shared_outputs
 from flashdp._pipeline.knowledge import Knowledge
-from flashdp._pipeline.layout import Ambiguous, dims_of, lacks_batch, time_major_dim
+from flashdp._pipeline.layout import Ambiguous, lacks_batch, outputs, time_major_dim
 from flashdp._pipeline.loss_graph import LossGraph
 from flashdp._pipeline.recorder import Call
 from flashdp.errors import FlashDPError
@@ -76,16 +76,14 @@ def _enclosing_rule_under_fsdp_error(uses: list[coverage.Use]) -> FlashDPError:
 def _misfits(known: Knowledge, graph: LossGraph, calls: list[Call], entered: dict[int, tuple[int, ...]]) -> list[int]:
     """Rule site calls with an output that reaches the loss, has no batch dim (B * k rows are a batch) and is not
     broadcast over the batch by a later op."""
-    batch, plan = graph.loss.shape[0], known.plan
-    lacking = {
-        i: [
-            edge
-            for edge, meta, dim in zip(call.edges, call.output_meta, dims_of(plan, call), strict=True)
-            if lacks_batch(meta.shape, dim, batch) or id(call.module) in known.not_batch_first
-        ]
-        for i, call in enumerate(calls)
-        if i in entered and batch > 1 and plan.site(call.module).match is not None
-    }
+    batch = graph.loss.shape[0]
+    lacking: dict[int, list] = {}
+    for out in outputs(known.plan, calls) if batch > 1 else ():
+        call = calls[out.call]
+        if out.call in entered and (
+            lacks_batch(out.meta.shape, out.dim, batch) or id(call.module) in known.not_batch_first
+        ):
+            lacking.setdefault(out.call, []).append(call.edges[out.index])
     return [
         i for i, edges in lacking.items() if any(graph.reaches_loss(e) and not graph.frontiers(e, batch) for e in edges)
     ]
@@ -101,14 +99,13 @@ def shared(
     if batch < 2:
         return {}, known
     found = {}
-    for i, call in enumerate(calls):
-        for j, (edge, meta, dim) in enumerate(
-            zip(call.edges, call.output_meta, dims_of(known.plan, call), strict=True)
-        ):
-            if id(call.module) in known.shared_sites or lacks_batch(meta.shape, dim, batch):
-                frontiers = graph.frontiers(edge, batch)
-                if frontiers:
-                    found[(i, j)] = shared_outputs.SharedOutput(edge, meta.shape, frontiers)
+    for out in outputs(known.plan, calls):
+        call = calls[out.call]
+        if id(call.module) in known.shared_sites or lacks_batch(out.meta.shape, out.dim, batch):
+            edge = call.edges[out.index]
+            frontiers = graph.frontiers(edge, batch)
+            if frontiers:
+                found[(out.call, out.index)] = shared_outputs.SharedOutput(edge, out.meta.shape, frontiers)
     return found, known.sharing(id(calls[i].module) for i, _ in found)
 
 
@@ -117,13 +114,11 @@ def broadcast_though_fitting(known: Knowledge, graph: LossGraph, calls: list[Cal
     batch: shared across the batch, or rows broadcast again; where no verifying pass can run, sizes cannot tell."""
     batch = graph.loss.shape[0]
     found = []
-    for call in calls if batch > 1 else ():
-        site = known.plan.site(call.module)
-        if site.match is None or id(call.module) in known.shared_sites:
-            continue
-        for edge, meta, dim in zip(call.edges, call.output_meta, dims_of(known.plan, call), strict=True):
-            if not lacks_batch(meta.shape, dim, batch) and graph.frontiers(edge, batch):
-                found.append((site.label, meta.shape, []))
+    for out in outputs(known.plan, calls) if batch > 1 else ():
+        call = calls[out.call]
+        fits = not lacks_batch(out.meta.shape, out.dim, batch)
+        if fits and id(call.module) not in known.shared_sites and graph.frontiers(call.edges[out.index], batch):
+            found.append((known.plan.site(call.module).label, out.meta.shape, []))
     return found
 
 

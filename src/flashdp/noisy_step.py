@@ -148,12 +148,10 @@ class NoisyStep:
     def _add_noise(self, params: list[Tensor]) -> None:
         """`(sum + N(0, sigma^2 C^2 I)) / expected_batch_size`, each coordinate noised once over the ranks."""
         std = self.noise_multiplier * self.max_grad_norm
-        for p in params:
-            if std > 0:
-                local = self._adapter.local_grad(p)
-                noise = self.noise.gaussian(local.shape, std, local.device, local.dtype)
-                local.add_(self._adapter.shared_noise(noise))
-            p.grad.div_(self.expected_batch_size)
+        grads = [self._adapter.local_grad(p) for p in params]
+        if std > 0:
+            self.noise.add_to(grads, std, share=self._adapter.shared_noise)
+        torch._foreach_div_(grads, self.expected_batch_size)
 
     def _account(self) -> None:
         self._accountant.step(self.noise_multiplier, self.sample_rate or 0.0)

@@ -80,6 +80,11 @@ def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
     return dtype
 
 
+def cast(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """`x.to(dtype)`, without the call where x has it already (a step of many tiny layers is host-bound)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 @dataclass(frozen=True)
 class RngState:
     """The random number generators' state: the CPU one, and the one of the CUDA device a call ran on."""

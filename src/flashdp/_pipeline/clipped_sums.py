@@ -47,8 +47,9 @@ class BookKeeping:
     def add(self, loss: Tensor, norms: Norms, coef: Tensor) -> None:
         """`.grad += sum_i coef[l, i] g_i` for every reached parameter (l its clipping group); `coef` `[L, B]`."""
         with torch.no_grad(), kernels_backend(self._backend):
+            rows = coef.unbind()  # (one op for every group's row, not an index per parameter)
             for param, norm in norms:
-                self._adapter.accumulate(param, norm.plan.clipped_sum(coef[param.clip_group]))
+                self._adapter.accumulate(param, norm.plan.clipped_sum(rows[param.clip_group]))
             self._adapter.accumulation_done()
 
 

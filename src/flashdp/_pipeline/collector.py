@@ -19,7 +19,7 @@ import torch
 from flashdp._pipeline.norm_pass import OutputGrads, check_call, per_sample_gradients
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice
 from flashdp._pipeline.params import TrainableParam
-from flashdp._pipeline.plan import GradientPlan
+from flashdp._pipeline.plan import GradientPlan, Site
 from flashdp._pipeline.recorder import Call, Recorder
 from flashdp._pipeline.shared_outputs import SharedOutput
 from flashdp.errors import FlashDPError
@@ -73,10 +73,12 @@ class NormCollector:
         self._keep_gradients = keep_gradients
         self._pending: dict[Hashable, int] = {}  # parameter -> calls counting it not yet received
         self._params: dict[Hashable, TrainableParam] = {}
+        self._sites: list[tuple[Site, dict[str, Hashable]]] = []  # per call: its site, its parameters' keys
         for call in calls:
             site = plan.site(call.module)
-            for name in site.trainable:
-                param = plan.param_of[(id(call.module), name)]
+            params = {name: plan.param_of[(id(call.module), name)] for name in site.trainable}
+            self._sites.append((site, {name: param.key for name, param in params.items()}))
+            for param in params.values():
                 self._params[param.key] = param
                 self._pending[param.key] = self._pending.get(param.key, 0) + 1
         self._parts: dict[Hashable, list[_Part]] = {}
@@ -97,15 +99,20 @@ class NormCollector:
         self._calls[index] = self._calls[index].unpacked()
 
     def receive(self, index: int, grads: OutputGrads) -> None:
-        """Call `index`'s output gradients (None where an output does not reach the loss); they are not kept."""
+        """Call `index`'s output gradients (None where an output does not reach the loss); they are not kept.
+        The rules and norms run here, on autograd's thread under CUDA, where no context of the caller's is set."""
+        deferring = deferring_checks(self.deferred) if self.deferred is not None else contextlib.nullcontext()
+        with torch.no_grad(), kernels_backend(self._backend), self._recorder.paused(), deferring:
+            self._receive(index, grads)
+
+    def _receive(self, index: int, grads: OutputGrads) -> None:
         call, self._calls[index] = self._calls[index].unpacked(), None
-        site = self.plan.site(call.module)
-        keys = {name: self.plan.param_of[(id(call.module), name)].key for name in site.trainable}
+        site, keys = self._sites[index]
         if all(g is None for g in grads):
             self._unreached.append(call)  # (checked at the end: an output modified in place hides its gradient)
         else:
-            check_call(site, call, grads, index, self.batch, self._shared)
-            per_sample = self._per_sample(index, call, grads)
+            dims = check_call(site, call, grads, index, self.batch, self._shared)
+            per_sample = self._per_sample(index, site, call, grads, dims)
             for name, key in keys.items():
                 self._parts.setdefault(key, []).append(_Part(index, per_sample[name], site.label, site.is_generic))
                 self._first_call.setdefault(key, index)
@@ -115,25 +122,22 @@ class NormCollector:
             if not self._pending[key] and key in self._parts:
                 self._finalise(key)
 
-    def _per_sample(self, index: int, call: Call, grads: OutputGrads) -> dict[str, PerSampleGrad]:
-        site = self.plan.site(call.module)
+    def _per_sample(
+        self, index: int, site: Site, call: Call, grads: OutputGrads, dims: tuple[int, ...]
+    ) -> dict[str, PerSampleGrad]:
         if self.batch == 0:  # a rank without samples this step: nothing to add, but the same parameters as others
             shapes = [self.plan.param_of[(id(call.module), name)].shape for name in site.trainable]
             like = next(g for g in grads if g is not None)
             return {name: like.new_zeros(0, *shape) for name, shape in zip(site.trainable, shapes, strict=True)}
-        mine = {j: output.per_sample for (i, j), output in self._shared.items() if i == index}
-        # the generic rule re-runs forwards; under CUDA this runs on autograd's thread, where no context is set
-        deferring = deferring_checks(self.deferred) if self.deferred is not None else contextlib.nullcontext()
-        with torch.no_grad(), kernels_backend(self._backend), self._recorder.paused(), deferring:
-            return per_sample_gradients(site, call, grads, self.batch, mine)
+        mine = {j: output.per_sample for (i, j), output in self._shared.items() if i == index} if self._shared else {}
+        return per_sample_gradients(site, call, grads, self.batch, mine, dims)
 
     def _finalise(self, key: Hashable) -> None:
-        param = self._params[key]
+        param, parts = self._params[key], self._parts.pop(key)
         gradient = ParamGradient(param.name, param.shape, self.batch, self._strategy)
-        for part in sorted(self._parts.pop(key), key=lambda p: p.call_index):
+        for part in sorted(parts, key=lambda p: p.call_index) if len(parts) > 1 else parts:
             gradient.add(part.grad, part.source, generic=part.generic)
-        with torch.no_grad(), kernels_backend(self._backend):
-            self._norms[key] = gradient.norm_sq(self._keep_for_sum)
+        self._norms[key] = gradient.norm_sq(self._keep_for_sum)
         if self._keep_gradients:
             self.gradients[key] = gradient
 
@@ -144,8 +148,9 @@ class NormCollector:
             if call.modified_in_place():
                 raise call.hidden_by_in_place_error(self.plan.site(call.module).label)
         self._calls = []
-        for key in list(self._parts):  # parameters some of whose calls do not reach the loss
-            self._finalise(key)
+        with torch.no_grad(), kernels_backend(self._backend):
+            for key in list(self._parts):  # parameters some of whose calls do not reach the loss
+                self._finalise(key)
         if not self._norms:
             raise no_trainable_layer_error()
         order = sorted(self._norms, key=self._first_call.__getitem__)

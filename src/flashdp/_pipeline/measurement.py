@@ -289,10 +289,12 @@ def _check_per_sample(parts: Parts, loss: Tensor, norms: Norms, held: dict, rtol
 def _group_norms_sq(norms: Norms, groups: int, batch: int, device: torch.device) -> Tensor:
     """`[L, B]` float64 squared norms of the L clipping groups (a stack and a sum per group, not an add per
     parameter)."""
-    total = torch.zeros(groups, batch, dtype=torch.float64, device=device)
     members: dict[int, list[Tensor]] = {}
     for param, norm in norms:
-        members.setdefault(param.clip_group, []).append(norm.norm_sq.to(torch.float64))
+        members.setdefault(param.clip_group, []).append(norm.norm_sq)
+    if len(members) == groups:  # (one stack and one sum per group; float64 before the sum)
+        return torch.stack([torch.stack(members[g]).double().sum(0) for g in range(groups)])
+    total = torch.zeros(groups, batch, dtype=torch.float64, device=device)
     for group, norms_sq in members.items():
-        total[group] = torch.stack(norms_sq).sum(0)
+        total[group] = torch.stack(norms_sq).double().sum(0)
     return total

@@ -171,20 +171,23 @@ def batch_dims(site: Site, call: Call) -> tuple[int, ...]:
 
 def check_call(
     site: Site, call: Call, grads: OutputGrads, index: int, batch: int, shared: Collection[tuple[int, int]]
-) -> None:
-    """One call whose outputs reach the loss was made on this batch, batch first (or shared across it)."""
+) -> tuple[int, ...]:
+    """One call whose outputs reach the loss was made on this batch, batch first (or shared across it). Returns
+    its outputs' batch dims (`batch_dims`)."""
     dims = batch_dims(site, call)
     for j, (meta, grad, dim) in enumerate(zip(call.output_meta, grads, dims, strict=True)):
         if grad is not None and (index, j) not in shared:
             _check_batch(site, meta.shape[dim] if len(meta.shape) > dim else 1, batch)
+    return dims
 
 
 def per_sample_gradients(
-    site: Site, call: Call, grads: OutputGrads, batch: int, shared: dict[int, Tensor]
+    site: Site, call: Call, grads: OutputGrads, batch: int, shared: dict[int, Tensor], dims: tuple[int, ...]
 ) -> dict[str, PerSampleGrad]:
-    """Per trainable parameter of a rule site, its per-sample gradient from one call (checked by `check_call`).
-    shared: output index -> the per-sample gradient `[B, *shape]` of an output shared across the batch."""
-    per_sample = _run_rule(site, call, grads, batch, shared)
+    """Per trainable parameter of a rule site, its per-sample gradient from one call (checked by `check_call`,
+    which gave its outputs' batch `dims`). shared: output index -> the per-sample gradient `[B, *shape]` of an
+    output shared across the batch."""
+    per_sample = _run_rule(site, call, grads, batch, shared, dims)
     missing = set(site.trainable) - set(per_sample)
     if missing:
         raise FlashDPError(
@@ -197,15 +200,15 @@ def per_sample_gradients(
 
 
 def _run_rule(
-    site: Site, call: Call, grads: OutputGrads, batch: int, shared: dict[int, Tensor]
+    site: Site, call: Call, grads: OutputGrads, batch: int, shared: dict[int, Tensor], dims: tuple[int, ...]
 ) -> dict[str, PerSampleGrad]:
     """The site's rule on one call. An output shared across the batch brings its per-sample gradient
     `[B, *shape]`; a simple rule then sees B copies of the call's inputs."""
     rule = site.match.rule
-    rows = _rows_per_sample(call, site, batch, shared)
+    rows = _rows_per_sample(call, dims, batch, shared)
     if not rule.per_call:
         inputs, shape = call.inputs, call.output_meta[0].shape
-        grad_output = _scaled(grads[0].view(shape), site.match.output_scale)
+        grad_output = _scaled(grads[0] if grads[0].shape == shape else grads[0].view(shape), site.match.output_scale)
         if 0 in shared:
             grad_output, inputs = _as_batch(_scaled(shared[0], site.match.output_scale), shape, inputs, batch)
         elif rows > 1:  # B * k rows: as [B, k, ...]
@@ -236,12 +239,12 @@ def _run_rule(
     return rule.per_sample_grads(layer_call)
 
 
-def _rows_per_sample(call: Call, site: Site, batch: int, shared: dict[int, Tensor]) -> int:
+def _rows_per_sample(call: Call, dims: tuple[int, ...], batch: int, shared: dict[int, Tensor]) -> int:
     """k when the call's batch outputs have B * k rows (a batch folded into rows, k per sample, sample-major: the
     batch-independence check verifies it on every new forward structure), else 1."""
     sizes = {
         meta.shape[dim]
-        for j, (meta, dim) in enumerate(zip(call.output_meta, batch_dims(site, call), strict=True))
+        for j, (meta, dim) in enumerate(zip(call.output_meta, dims, strict=True))
         if j not in shared and len(meta.shape) > dim
     }
     return max(sizes, default=batch) // batch if batch else 1

@@ -14,7 +14,7 @@ from flashdp import kernels
 from flashdp._pipeline import outer_products
 from flashdp.errors import FlashDPError
 from flashdp.kernels.outer_norm.reference import ghost_inner, per_sample, sum_of_squares
-from flashdp.per_sample import OuterGrad, PerSampleGrad, accumulation_dtype
+from flashdp.per_sample import OuterGrad, PerSampleGrad, accumulation_dtype, cast
 
 StrategyChoice = Literal["auto", "ghost", "direct"]
 
@@ -35,14 +35,16 @@ class ClippedSumPlan:
         """`sum_b coef_b g_b`, shaped like the parameter. coef: `[B]`."""
         parts = []
         if self.per_sample is not None:
-            rows = self.per_sample.reshape(len(coef), self.shape.numel())
-            parts.append(coef.to(rows.dtype) @ rows)  # a GEMV, not a bmm
+            rows = self.per_sample
+            rows = rows if rows.dim() == 2 else rows.reshape(len(coef), self.shape.numel())
+            parts.append(cast(coef, rows.dtype) @ rows)  # a GEMV, not a bmm
         if self.factors is not None:
             f = self.factors
             parts.append(kernels.clipped_sum(f.left, f.right, coef, f.conv_groups))
         if self.tokens is not None:
             parts.append(outer_products.token_clipped_sum(self.tokens, coef))
-        return functools.reduce(torch.add, (p.reshape(self.shape) for p in parts))
+        total = functools.reduce(torch.add, parts)
+        return total if total.shape == self.shape else total.reshape(self.shape)
 
     def dropping(self, keep: Tensor) -> ClippedSumPlan:
         """The plan without the samples where `keep` `[B]` is False: their rows are zeros (a NaN or inf in them
@@ -118,7 +120,7 @@ class ParamGradient:
                 f"Rule for {source} returned a per-sample gradient of shape {got} for '{self.name}'; expected "
                 f"[B, *param.shape] = {(self.batch_size, *self.shape)} or an OuterGrad."
             )
-        grad = grad.to(accumulation_dtype(grad))
+        grad = cast(grad, accumulation_dtype(grad))
         self.per_sample = grad if self.per_sample is None else self.per_sample + grad
 
     def _check_block(self, grad: OuterGrad, source: str) -> None:
@@ -161,7 +163,7 @@ class ParamGradient:
         token_block = outer_products.concat_positions(tokens) if tokens else None
         factors = outer_products.concat_positions(dense) if dense else None
         materialised = None
-        total = self.blocks[0].right.new_zeros(self.blocks[0].right.shape[0], dtype=dtype)
+        terms: list[Tensor] = []  # summed at the end (no zeros to add to: a step of tiny layers is host-bound)
         strategies = []
         if factors is not None:
             strategy = self._choose(factors)
@@ -169,24 +171,26 @@ class ParamGradient:
             if strategy == "direct" and (keep_for_sum or token_block is not None):
                 # materialised: kept for the bk sum, or needed for the cross term with a tied table
                 materialised = per_sample(factors.left, factors.right, dtype)
-                total += sum_of_squares(materialised)
+                terms.append(sum_of_squares(materialised))
                 if token_block is not None:
-                    total += 2 * outer_products.token_inner_with_per_sample(materialised, token_block)
+                    terms.append(2 * outer_products.token_inner_with_per_sample(materialised, token_block))
                 factors = None
             else:  # the norm alone: a kernel where it can run, never the per-sample gradient
                 norm = kernels.outer_direct_norm_sq if strategy == "direct" else kernels.outer_ghost_norm_sq
-                total += norm(factors.left, factors.right).to(dtype)
+                terms.append(cast(norm(factors.left, factors.right), dtype))
                 if token_block is not None:
-                    total += 2 * ghost_inner(factors, token_block)
+                    terms.append(2 * ghost_inner(factors, token_block))
         if token_block is not None:
             strategies.append("tokens")
-            total += outer_products.token_norm_sq(token_block)
+            terms.append(outer_products.token_norm_sq(token_block))
         plan = None
         if keep_for_sum:
             if materialised is not None:
                 materialised = materialised.view(self.batch_size, self.shape.numel())  # rows b * g + j, stacked
             plan = ClippedSumPlan(self.shape, materialised, factors, token_block)
-        norm_sq = total.view(self.batch_size, self.blocks[0].conv_groups).sum(1)
+        total = functools.reduce(torch.add, terms)
+        groups = self.blocks[0].conv_groups
+        norm_sq = total if groups == 1 else total.view(self.batch_size, groups).sum(1)
         return ParamNorm(norm_sq, "+".join(strategies), plan)
 
     def _choose(self, factors: OuterGrad) -> str:

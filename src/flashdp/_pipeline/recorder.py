@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -81,6 +80,8 @@ class Call:
         """This call without its outputs, which a plain backward would have freed (the logits, once the loss has
         its log-softmax), for a rule that does not read them; whether one was modified in place is kept (the
         forward is over: nothing modifies them any more)."""
+        if all(o is None for o in self.outputs):  # (none recorded: nothing to drop, nothing to compare)
+            return self
         return replace(self, outputs=(None,) * len(self.outputs), was_modified=self.modified_in_place())
 
     def hidden_by_in_place_error(self, label: str) -> FlashDPError:
@@ -170,7 +171,7 @@ class Recorder:
         site = self._plan.sites.get(id(module))
         if site is None:
             return
-        leaves = [t for t in tree_leaves(output) if isinstance(t, Tensor)]
+        leaves = _tensor_leaves(output)
         slots = _distinct_slots(leaves)
         hooks = _saved_tensor_hooks()
         if torch._C._current_graph_task_id() != -1:  # a checkpoint recomputing its segment in the backward
@@ -188,7 +189,7 @@ class Recorder:
             return
         self._on_call()
         outputs = [leaves[i] for i in slots]
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t.requires_grad]
+        inputs = [t for t in _tensor_leaves(args) + _tensor_leaves(kwargs) if t.requires_grad]
         input_edges = tuple(get_gradient_edge(t) for t in inputs)
         if hooks is not None:  # (inside a checkpointed region, or one offloading its saved tensors)
             args, kwargs = _packed((args, kwargs), hooks)
@@ -216,14 +217,9 @@ class Recorder:
             )
         )
 
-    @contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self) -> _Paused:
         """Record nothing meanwhile (the generic rule re-runs forwards)."""
-        self._paused = True
-        try:
-            yield
-        finally:
-            self._paused = False
+        return _Paused(self)
 
     def follow(self, plan: GradientPlan) -> None:
         """Record the next forwards under `plan` (the engine's, once a backward committed it)."""
@@ -239,6 +235,21 @@ class Recorder:
         self._handles = []
         self.calls = []
         self.owner = None
+
+
+class _Paused:
+    """The scope of `Recorder.paused` (a class: entered once per layer call in the norm pass)."""
+
+    __slots__ = ("_recorder",)
+
+    def __init__(self, recorder: Recorder) -> None:
+        self._recorder = recorder
+
+    def __enter__(self) -> None:
+        self._recorder._paused = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._recorder._paused = False
 
 
 class _Hook:
@@ -264,6 +275,19 @@ def _inert_hook() -> Callable[..., None]:
 
 def _ignore(*_: object) -> None:
     return None
+
+
+_PLAIN = (Tensor, int, float, bool, str, type(None))
+
+
+def _tensor_leaves(tree: object) -> list[Tensor]:
+    """The tensors among `tree`'s pytree leaves, in pytree order; a tensor, and a tuple or list of tensors and
+    plain values, without pytree's walk (this runs at every layer call)."""
+    if isinstance(tree, Tensor):
+        return [tree]
+    if type(tree) in (tuple, list) and all(isinstance(x, _PLAIN) for x in tree):
+        return [x for x in tree if isinstance(x, Tensor)]
+    return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]
 
 
 def _distinct_slots(leaves: list[Tensor]) -> list[int]:

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from flashdp._pipeline.params import ParamView, TrainableParam, local_param_views
 from flashdp._pipeline.profiling import PhaseTimer
+from flashdp.per_sample import cast
 
 
 class Adapter:
@@ -91,6 +92,6 @@ class Adapter:
 def add_to_grad(param: Tensor, value: Tensor) -> None:
     """`param.grad += value`, creating it in the parameter's dtype."""
     if param.grad is None:
-        param.grad = value.to(param.dtype)
+        param.grad = cast(value, param.dtype)
     else:
-        param.grad.add_(value.to(param.grad.dtype))
+        param.grad.add_(cast(value, param.grad.dtype))

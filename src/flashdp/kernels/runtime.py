@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import os
-from collections.abc import Iterator
 from typing import Literal
 
 import torch
 from torch import Tensor
+
+from flashdp._scoped import Scoped
 
 Backend = Literal["auto", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
@@ -43,13 +43,9 @@ def triton_unavailable_reason() -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def backend(name: str) -> Iterator[None]:
-    token = _backend.set(name)
-    try:
-        yield
-    finally:
-        _backend.reset(token)
+def backend(name: str) -> Scoped[str]:
+    """Inside `with backend(name):`, the kernel table uses backend `name`."""
+    return Scoped(_backend, name)
 
 
 def use_triton(*tensors: Tensor) -> bool:

@@ -8,6 +8,7 @@ for reproducibility); otherwise a resumed run draws fresh noise from fresh entro
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -46,6 +47,15 @@ class NoiseSource:
         noise = torch.empty(shape, device=device, dtype=torch.float32 if dtype in _HALF else dtype)
         noise.normal_(0.0, std, generator=self._generator(device))
         return noise.to(dtype)
+
+    def add_to(self, tensors: list[Tensor], std: float, share: Callable[[Tensor], Tensor] = lambda n: n) -> None:
+        """`t += N(0, std^2 I)` for every tensor: one draw and one foreach add per bucket of tensors of one device
+        and dtype (`buckets`), the draw passed through `share` first (equal noise on ranks holding the same
+        coordinates)."""
+        for bucket in buckets(tensors):
+            sizes = [t.numel() for t in bucket]
+            flat = share(self.gaussian(torch.Size([sum(sizes)]), std, bucket[0].device, bucket[0].dtype))
+            torch._foreach_add_(bucket, [n.view(t.shape) for n, t in zip(flat.split(sizes), bucket, strict=True)])
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -98,3 +108,23 @@ def _describe(state: object) -> str:
 
 
 _HALF = (torch.float16, torch.bfloat16)
+
+#: elements per noise draw beyond which a bucket is closed (a larger tensor is a bucket of its own): the draw's
+#: memory stays that of the largest tensor or 16 MiB of float32, as with one draw per tensor
+BUCKET_ELEMENTS = 1 << 22
+
+
+def buckets(tensors: list[Tensor]) -> list[list[Tensor]]:
+    """`tensors` in order, cut into runs of one device and dtype of at most `BUCKET_ELEMENTS` (or one tensor)."""
+    out: list[list[Tensor]] = []
+    open_by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]] = {}
+    for t in tensors:
+        kind = (t.device, t.dtype)
+        bucket, size = open_by_kind.get(kind, (None, [0]))
+        if bucket is None or size[0] + t.numel() > BUCKET_ELEMENTS:
+            bucket, size = [], [0]
+            out.append(bucket)
+            open_by_kind[kind] = (bucket, size)
+        bucket.append(t)
+        size[0] += t.numel()
+    return out

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
+from flashdp._scoped import Scoped
 from flashdp.errors import FlashDPError
 from flashdp.per_sample import LayerCall
 
@@ -22,16 +23,11 @@ DeferredCheck = tuple[Tensor, Callable[[], Exception]]
 _deferred: contextvars.ContextVar[list[DeferredCheck] | None] = contextvars.ContextVar("flashdp_deferred", default=None)
 
 
-@contextlib.contextmanager
-def deferring_checks(into: list[DeferredCheck]) -> Iterator[None]:
+def deferring_checks(into: list[DeferredCheck]) -> Scoped[list[DeferredCheck] | None]:
     """Inside, `check_recomputed` leaves its verdict in `into` instead of waiting for the device: the caller reads
     them all with one sync (`raise_failed`) before anything depends on the recomputations. Entered on the thread
     that runs the rules (autograd's own, on CUDA)."""
-    token = _deferred.set(into)
-    try:
-        yield
-    finally:
-        _deferred.reset(token)
+    return Scoped(_deferred, into)
 
 
 def raise_failed(checks: list[DeferredCheck], passed: list[bool] | None = None) -> None:

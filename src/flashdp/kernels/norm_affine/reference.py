@@ -8,13 +8,13 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashdp.per_sample import accumulation_dtype
+from flashdp.per_sample import accumulation_dtype, cast
 
 
 def norm_affine_grads(x: Tensor, g: Tensor, eps: float, rms: bool, bias: bool) -> tuple[Tensor, Tensor | None]:
     """(weight `[N, D]`, bias `[N, D]` or None) in float32 (float64 stays float64)."""
     dtype = accumulation_dtype(x)
-    x = x.to(dtype)
+    x = cast(x, dtype)
     x_hat = F.rms_norm(x, x.shape[-1:], eps=eps) if rms else F.layer_norm(x, x.shape[-1:], eps=eps)
-    g = g.to(dtype)
+    g = cast(g, dtype)
     return (x_hat * g).sum(1), (g.sum(1) if bias else None)

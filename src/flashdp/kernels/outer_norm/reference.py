@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from flashdp.per_sample import OuterGrad, TokenRows, accumulation_dtype
+from flashdp.per_sample import OuterGrad, TokenRows, accumulation_dtype, cast
 
 #: Positions per tile of the ghost norm: no Gram matrix larger than GHOST_TILE x GHOST_TILE is built per row.
 GHOST_TILE = 512
@@ -24,12 +24,13 @@ Left = Tensor | TokenRows
 def sum_of_squares(x: Tensor) -> Tensor:
     """`[N, ...]` -> `[N]` squared norms. vector_norm reads x once and builds no squared copy (7x faster than
     `x.square().sum()` on CPU)."""
-    return torch.linalg.vector_norm(x.reshape(x.shape[0], math.prod(x.shape[1:])), dim=1).square()
+    rows = x if x.dim() == 2 else x.reshape(x.shape[0], math.prod(x.shape[1:]))
+    return torch.linalg.vector_norm(rows, dim=1).square()
 
 
 def per_sample(left: Tensor, right: Tensor, dtype: torch.dtype) -> Tensor:
     """`[N, p, d]` per-sample gradients `L_n^T R_n`, materialised in `dtype`."""
-    return torch.bmm(left.to(dtype).transpose(1, 2), right.to(dtype))
+    return torch.bmm(cast(left, dtype).transpose(1, 2), cast(right, dtype))
 
 
 def direct_norm_sq(left: Tensor, right: Tensor) -> Tensor:

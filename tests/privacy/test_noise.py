@@ -1,0 +1,37 @@
+"""NoiseSource.add_to: one draw per bucket of tensors of one device and dtype, each coordinate its own N(0, std^2)."""
+
+import pytest
+import torch
+
+from flashdp.privacy import NoiseSource
+from flashdp.privacy import noise as noise_module
+
+
+def test_buckets_cut_by_dtype_and_size(monkeypatch):
+    monkeypatch.setattr(noise_module, "BUCKET_ELEMENTS", 10)
+    a, b, c = torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(4)
+    d, big = torch.zeros(4), torch.zeros(30)
+    buckets = noise_module.buckets([a, b, c, d, big])
+    assert [[id(t) for t in bucket] for bucket in buckets] == [[id(a), id(c)], [id(b)], [id(d)], [id(big)]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_every_coordinate_gets_its_own_noise_of_the_right_std(dtype, monkeypatch):
+    monkeypatch.setattr(noise_module, "BUCKET_ELEMENTS", 30_000)  # several buckets, several tensors in each
+    tensors = [torch.full((100, 50), 1.0, dtype=dtype) for _ in range(8)] + [torch.zeros(0, dtype=dtype)]
+    NoiseSource(seed=0, kind="seeded").add_to(tensors, std=2.0)
+    drawn = [t.double() - 1.0 for t in tensors[:-1]]
+    everything = torch.cat([t.flatten() for t in drawn])
+    assert abs(everything.std().item() / 2.0 - 1) < 0.03
+    assert abs(everything.mean().item()) < 0.03 * 2.0
+    for first in range(len(drawn)):  # no two tensors share a draw (a wrong split would repeat one)
+        for second in range(first + 1, len(drawn)):
+            assert not torch.equal(drawn[first], drawn[second])
+    assert all(t.dtype == dtype for t in tensors)
+
+
+def test_the_shared_draw_is_what_is_added():
+    tensors = [torch.zeros(3, 2), torch.zeros(5)]
+    NoiseSource(seed=0, kind="seeded").add_to(tensors, std=1.0, share=lambda n: torch.arange(len(n)).float())
+    assert torch.equal(tensors[0], torch.arange(6).float().view(3, 2))
+    assert torch.equal(tensors[1], torch.arange(6, 11).float())

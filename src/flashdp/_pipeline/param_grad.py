@@ -92,8 +92,9 @@ class ParamGradient:
 
     def __init__(self, name: str, shape: torch.Size, batch_size: int, strategy: StrategyChoice = "auto") -> None:
         self.name = name
-        self.shape = torch.Size(shape)
+        self.shape = shape if isinstance(shape, torch.Size) else torch.Size(shape)
         self.batch_size = batch_size
+        self._per_sample_shape = (batch_size, *self.shape)
         self.strategy_choice = strategy
         self.per_sample: Tensor | None = None  # [B, *shape], from rules that materialise
         self.blocks: list[OuterGrad] = []
@@ -114,11 +115,11 @@ class ParamGradient:
             self._check_block(grad, source)
             self.blocks.append(grad)
             return
-        if not isinstance(grad, Tensor) or grad.shape != (self.batch_size, *self.shape):
+        if not isinstance(grad, Tensor) or grad.shape != self._per_sample_shape:
             got = tuple(grad.shape) if isinstance(grad, Tensor) else type(grad).__name__
             raise FlashDPError(
                 f"Rule for {source} returned a per-sample gradient of shape {got} for '{self.name}'; expected "
-                f"[B, *param.shape] = {(self.batch_size, *self.shape)} or an OuterGrad."
+                f"[B, *param.shape] = {self._per_sample_shape} or an OuterGrad."
             )
         grad = cast(grad, accumulation_dtype(grad))
         self.per_sample = grad if self.per_sample is None else self.per_sample + grad

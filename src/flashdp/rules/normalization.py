@@ -33,12 +33,17 @@ def _last_dims_grads(
 ) -> dict:
     """x, g `[B, ..., *shape]` normalised over `shape` -> weight and bias `[B, *shape]` (kernel or torch)."""
     batch, size = x.shape[0], math.prod(shape)
+    flat = x.dim() == 3 and len(shape) == 1  # already [B, T, D]: no reshapes (this runs at every layer call)
     weight, bias = kernels.norm_affine_grads(
-        x.reshape(batch, -1, size), grad_output.reshape(batch, -1, size), eps, rms, "bias" in trainable
+        x if flat else x.reshape(batch, -1, size),
+        grad_output if flat else grad_output.reshape(batch, -1, size),
+        eps,
+        rms,
+        "bias" in trainable,
     )
-    out = {"weight": weight.view(batch, *shape)} if "weight" in trainable else {}
+    out = {"weight": weight if flat else weight.view(batch, *shape)} if "weight" in trainable else {}
     if bias is not None:
-        out["bias"] = bias.view(batch, *shape)
+        out["bias"] = bias if flat else bias.view(batch, *shape)
     return out
 
 

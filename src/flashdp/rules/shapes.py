@@ -15,7 +15,7 @@ def positions(x: Tensor, what: str) -> Tensor:
             f"Wrong shape: expected the {what} batched as [B, ..., features]. Received a {x.dim()}-dim tensor of "
             f"shape {tuple(x.shape)}. Call the layer with a leading batch dimension."
         )
-    return x.reshape(x.shape[0], -1, x.shape[-1])
+    return x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
 
 
 def sum_over_positions(x: Tensor, param_dims: int) -> Tensor:

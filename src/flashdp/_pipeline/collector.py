@@ -101,12 +101,14 @@ class NormCollector:
     def receive(self, index: int, grads: OutputGrads) -> None:
         """Call `index`'s output gradients (None where an output does not reach the loss); they are not kept.
         The rules and norms run here, on autograd's thread under CUDA, where no context of the caller's is set."""
+        # (unpacked outside: inside a checkpointed region this recomputes the region's forward, with gradients)
+        self._calls[index] = self._calls[index].unpacked()
         deferring = deferring_checks(self.deferred) if self.deferred is not None else contextlib.nullcontext()
         with torch.no_grad(), kernels_backend(self._backend), self._recorder.paused(), deferring:
             self._receive(index, grads)
 
     def _receive(self, index: int, grads: OutputGrads) -> None:
-        call, self._calls[index] = self._calls[index].unpacked(), None
+        call, self._calls[index] = self._calls[index], None
         site, keys = self._sites[index]
         if all(g is None for g in grads):
             self._unreached.append(call)  # (checked at the end: an output modified in place hides its gradient)

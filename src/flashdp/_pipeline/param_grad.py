@@ -43,8 +43,7 @@ class ClippedSumPlan:
             parts.append(kernels.clipped_sum(f.left, f.right, coef, f.conv_groups))
         if self.tokens is not None:
             parts.append(outer_products.token_clipped_sum(self.tokens, coef))
-        total = functools.reduce(torch.add, parts)
-        return total if total.shape == self.shape else total.reshape(self.shape)
+        return functools.reduce(torch.add, (p if p.shape == self.shape else p.reshape(self.shape) for p in parts))
 
     def dropping(self, keep: Tensor) -> ClippedSumPlan:
         """The plan without the samples where `keep` `[B]` is False: their rows are zeros (a NaN or inf in them

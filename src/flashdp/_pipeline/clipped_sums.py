@@ -20,6 +20,7 @@ from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.settings import EngineSettings
 from flashdp.distributed import Adapter
 from flashdp.kernels import backend as kernels_backend
+from flashdp.per_sample import cast
 
 #: each reached parameter with its squared norms `[B]` and clipped-sum plan
 Norms = list[tuple[TrainableParam, ParamNorm]]
@@ -47,9 +48,13 @@ class BookKeeping:
     def add(self, loss: Tensor, norms: Norms, coef: Tensor) -> None:
         """`.grad += sum_i coef[l, i] g_i` for every reached parameter (l its clipping group); `coef` `[L, B]`."""
         with torch.no_grad(), kernels_backend(self._backend):
-            rows = coef.unbind()  # (one op for every group's row, not an index per parameter)
+            rows = coef.unbind()  # (one op for every group's row, and one cast per dtype: not per parameter)
+            cast_rows: dict[tuple[int, torch.dtype], Tensor] = {}
             for param, norm in norms:
-                self._adapter.accumulate(param, norm.plan.clipped_sum(rows[param.clip_group]))
+                key = (param.clip_group, norm.plan.dtype)
+                if key not in cast_rows:
+                    cast_rows[key] = cast(rows[param.clip_group], key[1])
+                self._adapter.accumulate(param, norm.plan.clipped_sum(cast_rows[key]))
             self._adapter.accumulation_done()
 
 

@@ -31,6 +31,16 @@ class ClippedSumPlan:
     #: embedding rows: the sum is an index_add of `c_b g_t`
     tokens: OuterGrad | None = None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The widest dtype its parts accumulate in: coefficients cast to it once lose nothing any part keeps."""
+        tensors = [self.per_sample] if self.per_sample is not None else []
+        if self.factors is not None:
+            tensors += [self.factors.left, self.factors.right]
+        if self.tokens is not None:
+            tensors.append(self.tokens.right)
+        return accumulation_dtype(*tensors)
+
     def clipped_sum(self, coef: Tensor) -> Tensor:
         """`sum_b coef_b g_b`, shaped like the parameter. coef: `[B]`."""
         parts = []

@@ -48,6 +48,8 @@ class TrainableParam:
 def attribute(module: nn.Module, dotted_name: str) -> Tensor:
     """A parameter by dotted name relative to `module`, also where a wrapper holds it as a plain tensor attribute
     (FSDP1)."""
+    if "." not in dotted_name:
+        return getattr(module, dotted_name)
     for part in dotted_name.split("."):
         module = getattr(module, part)
     return module

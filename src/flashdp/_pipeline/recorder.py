@@ -190,7 +190,7 @@ class Recorder:
         self._on_call()
         outputs = [leaves[i] for i in slots]
         inputs = [t for t in _tensor_leaves(args) + _tensor_leaves(kwargs) if t.requires_grad]
-        input_edges = tuple(get_gradient_edge(t) for t in inputs)
+        input_edges = tuple(_edge(t) for t in inputs)
         if hooks is not None:  # (inside a checkpointed region, or one offloading its saved tensors)
             args, kwargs = _packed((args, kwargs), hooks)
         counting = site.match is not None
@@ -206,7 +206,7 @@ class Recorder:
                 kwargs=kwargs,
                 input_edges=input_edges,
                 output_meta=tuple(OutputMeta(i, leaves[i].shape, leaves[i].dtype) for i in slots),
-                edges=tuple(get_gradient_edge(_reshape_base(t)) for t in outputs),
+                edges=tuple(_edge(_reshape_base(t)) for t in outputs),
                 outputs=tuple(t if counting and (site.match.rule.per_call or _hideable(t)) else None for t in outputs),
                 output_versions=tuple(t._version for t in outputs),
                 params=params,
@@ -285,9 +285,20 @@ def _tensor_leaves(tree: object) -> list[Tensor]:
     plain values, without pytree's walk (this runs at every layer call)."""
     if isinstance(tree, Tensor):
         return [tree]
+    if type(tree) in (tuple, list, dict) and not tree:
+        return []
     if type(tree) in (tuple, list) and all(isinstance(x, _PLAIN) for x in tree):
         return [x for x in tree if isinstance(x, Tensor)]
     return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]
+
+
+def _edge(t: Tensor) -> GradientEdge:
+    """`get_gradient_edge(t)`, without its Python steps for a tensor computed by a built-in node. torch's own
+    function finds a leaf's gradient accumulator, and holds a custom Function's node alive with a token."""
+    node = t.grad_fn
+    if node is None or isinstance(node, torch._C._FunctionBase):
+        return get_gradient_edge(t)
+    return GradientEdge(node, t.output_nr)
 
 
 def _distinct_slots(leaves: list[Tensor]) -> list[int]:

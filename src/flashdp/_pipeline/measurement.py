@@ -292,9 +292,9 @@ def _group_norms_sq(norms: Norms, groups: int, batch: int, device: torch.device)
     members: dict[int, list[Tensor]] = {}
     for param, norm in norms:
         members.setdefault(param.clip_group, []).append(norm.norm_sq)
-    if len(members) == groups:  # (one stack and one sum per group; float64 before the sum)
-        return torch.stack([torch.stack(members[g]).double().sum(0) for g in range(groups)])
+    if len(members) == groups:  # (one stack and one float64 sum per group)
+        return torch.stack([torch.stack(members[g]).sum(0, dtype=torch.float64) for g in range(groups)])
     total = torch.zeros(groups, batch, dtype=torch.float64, device=device)
     for group, norms_sq in members.items():
-        total[group] = torch.stack(norms_sq).double().sum(0)
+        total[group] = torch.stack(norms_sq).sum(0, dtype=torch.float64)
     return total

@@ -53,9 +53,10 @@ class NoiseSource:
         and dtype (`buckets`), the draw passed through `share` first (equal noise on ranks holding the same
         coordinates)."""
         for bucket in buckets(tensors):
-            sizes = [t.numel() for t in bucket]
-            flat = share(self.gaussian(torch.Size([sum(sizes)]), std, bucket[0].device, bucket[0].dtype))
-            torch._foreach_add_(bucket, [n.view(t.shape) for n, t in zip(flat.split(sizes), bucket, strict=True)])
+            flat = share(
+                self.gaussian(torch.Size([sum(t.numel() for t in bucket)]), std, bucket[0].device, bucket[0].dtype)
+            )
+            torch._foreach_add_(bucket, torch._utils._unflatten_dense_tensors(flat, bucket))  # (views, made in C++)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)

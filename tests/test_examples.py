@@ -25,14 +25,17 @@ def test_train_lm_demo_runs(tmp_path, mode):
     plot = tmp_path / "loss.png"
     summary = demo.main(
         ["--steps", "3", "--pretrain-steps", "2", "--seq-len", "16", "--batch-size", "8", "--micro-batch", "4",
-         "--d-model", "16", "--layers", "1", "--target-epsilon", "20", "--mode", mode, "--plot", str(plot)]
+         "--d-model", "16", "--layers", "1", "--target-epsilon", "20", "--mode", mode, "--plot", str(plot),
+         "--sweep-epsilons", "5", "--pretrain-batch-size", "8"]
     )  # fmt: skip
     assert plot.stat().st_size > 1000
     assert 0 < summary["epsilon"] <= 20 and summary["steps"] == 3
     assert summary["val_loss"].keys() == {
-        "private fine-tune", "private from scratch", "non-private fine-tune", "public pre-training only"
+        "private fine-tune", "private from scratch", "non-private fine-tune", "private fine-tune, epsilon 5",
+        "public pre-training only",
     }  # fmt: skip
     assert all(math.isfinite(loss) for loss in summary["val_loss"].values())
+    assert 4 < summary["epsilons"]["private fine-tune, epsilon 5"] <= 5 < summary["epsilons"]["private fine-tune"]
 
 
 def test_quickstart_runs(monkeypatch, capsys):

@@ -71,6 +71,10 @@ class OuterGrad:
 PerSampleGrad = Tensor | OuterGrad
 
 
+#: floating dtypes that accumulate in float32 (checked first: this runs for every parameter of every call)
+_NARROW = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
     """The dtype sums are accumulated in: float32 for half and single precision inputs, float64 stays float64."""
     dtype = torch.float32
@@ -78,10 +82,6 @@ def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
         if t.dtype not in _NARROW and t.is_floating_point():
             dtype = torch.promote_types(dtype, t.dtype)
     return dtype
-
-
-#: floating dtypes that accumulate in float32 (checked first: this runs for every parameter of every call)
-_NARROW = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def cast(x: Tensor, dtype: torch.dtype) -> Tensor:

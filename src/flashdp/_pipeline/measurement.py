@@ -292,9 +292,10 @@ def _group_norms_sq(norms: Norms, groups: int, batch: int, device: torch.device)
     members: dict[int, list[Tensor]] = {}
     for param, norm in norms:
         members.setdefault(param.clip_group, []).append(norm.norm_sq)
-    if len(members) == groups:  # (one stack and one float64 sum per group)
-        return torch.stack([torch.stack(members[g]).sum(0, dtype=torch.float64) for g in range(groups)])
+    sums = {group: torch.stack(norms_sq).sum(0, dtype=torch.float64) for group, norms_sq in members.items()}
+    if len(sums) == groups:  # (every group reached: one stack of their sums)
+        return torch.stack([sums[g] for g in range(groups)])
     total = torch.zeros(groups, batch, dtype=torch.float64, device=device)
-    for group, norms_sq in members.items():
-        total[group] = torch.stack(norms_sq).sum(0, dtype=torch.float64)
+    for group, norm_sq in sums.items():
+        total[group] = norm_sq
     return total

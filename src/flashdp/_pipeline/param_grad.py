@@ -101,7 +101,7 @@ class ParamGradient:
 
     def __init__(self, name: str, shape: torch.Size, batch_size: int, strategy: StrategyChoice = "auto") -> None:
         self.name = name
-        self.shape = shape if isinstance(shape, torch.Size) else torch.Size(shape)
+        self.shape = torch.Size(shape)
         self.batch_size = batch_size
         self._per_sample_shape = (batch_size, *self.shape)
         self.strategy_choice = strategy

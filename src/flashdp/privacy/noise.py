@@ -118,14 +118,13 @@ BUCKET_ELEMENTS = 1 << 22
 def buckets(tensors: list[Tensor]) -> list[list[Tensor]]:
     """`tensors` in order, cut into runs of one device and dtype of at most `BUCKET_ELEMENTS` (or one tensor)."""
     out: list[list[Tensor]] = []
-    open_by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]] = {}
+    open_bucket: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    filled: dict[tuple[torch.device, torch.dtype], int] = {}
     for t in tensors:
         kind = (t.device, t.dtype)
-        bucket, size = open_by_kind.get(kind, (None, [0]))
-        if bucket is None or size[0] + t.numel() > BUCKET_ELEMENTS:
-            bucket, size = [], [0]
-            out.append(bucket)
-            open_by_kind[kind] = (bucket, size)
-        bucket.append(t)
-        size[0] += t.numel()
+        if kind not in open_bucket or filled[kind] + t.numel() > BUCKET_ELEMENTS:
+            open_bucket[kind], filled[kind] = [], 0
+            out.append(open_bucket[kind])
+        open_bucket[kind].append(t)
+        filled[kind] += t.numel()
     return out

@@ -49,9 +49,11 @@ def backend(name: str) -> Scoped[str]:
 
 
 def use_triton(*tensors: Tensor) -> bool:
-    """Whether the current backend sends these inputs to a Triton kernel."""
+    """Whether the current backend sends these inputs to a Triton kernel: inputs of one kernel dtype (`tl.dot` takes
+    operands of one dtype; mixed inputs go to the reference, which widens both exactly)."""
     name = _backend.get()
-    if name == "torch" or any(t.dtype not in KERNEL_DTYPES for t in tensors):
+    dtypes = {t.dtype for t in tensors}
+    if name == "torch" or len(dtypes) != 1 or not dtypes <= set(KERNEL_DTYPES):
         return False
     if name == "triton":
         return True

@@ -2,7 +2,9 @@
 inside the GEMM; matches `reference.clipped_sum`.
 
 L `[B * g, T, p]`, R `[B * g, T, d]` (rows `b * g + j` belong to sample b, group j); out `[g, p, d]` in float32.
-Each tile of L is scaled by its sample's coefficient in registers: no scaled copy of L is written.
+Each sample's product accumulates in float32 registers and is scaled by its coefficient there: no scaled copy of L
+is written, and none is rounded to 16 bits (that rounding let a clipped contribution exceed C by up to 2^-8, relative,
+on an H200; the interpreter, which upcasts tiles, cannot show it).
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ def _clipped_sum_kernel(
     rp, rd = output_tile(BP, BD)
     acc = tl.zeros((BP, BD), dtype=tl.float32)
     for b in range(0, B):
-        coef = tl.load(C + b)
         row = b * G + group
+        sample = tl.zeros((BP, BD), dtype=tl.float32)
         for t0 in range(0, T, BT):
             rt = t0 + tl.arange(0, BT)
-            left = load_tile(L, row, sln, slt, slp, rt, rp, T, P, True)
+            left = load_tile(L, row, sln, slt, slp, rt, rp, T, P, UPCAST)
             right = load_tile(R, row, srn, srt, srd, rt, rd, T, D, UPCAST)
-            scaled = (left * coef).to(right.dtype)  # c applied in registers: no scaled copy of L
-            acc += tl.dot(tl.trans(scaled), right, input_precision="ieee")
+            sample = tl.dot(tl.trans(left), right, sample, input_precision="ieee")
+        acc += tl.load(C + b) * sample  # c scales the float32 product: a 16-bit scaled copy would round it
     mask = (rp[:, None] < P) & (rd[None, :] < D)
     tl.store(out + (group * P + rp[:, None]) * D + rd[None, :], acc, mask=mask)
 

@@ -89,6 +89,33 @@ def cast(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
+#: 16-bit dtypes whose CUDA batched products can accumulate and return float32 (`torch.bmm(..., out_dtype=)`)
+_TENSOR_CORE_16BIT = (torch.bfloat16, torch.float16)
+#: whether this torch has that overload (torch >= 2.8)
+_BMM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
+
+
+def bmm_in(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """`[N, m, n]` batched product of `a` `[N, m, k]` and `b` `[N, k, n]`, accumulated and returned in `dtype`.
+
+    Two 16-bit CUDA operands and float32 `dtype` stay 16-bit on the tensor cores, with float32 accumulation and
+    output: the products of 16-bit numbers are exact in float32, so this equals the product of float32 copies up
+    to the order of the sums, where a float32 GEMM (never tf32) runs on the scalar units, about 10x slower on an
+    H200 (docs/benchmarks.md, "GPU")."""
+    if _BMM_OUT_DTYPE and dtype == torch.float32 and a.dtype == b.dtype and a.dtype in _TENSOR_CORE_16BIT and a.is_cuda:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(cast(a, dtype), cast(b, dtype))
+
+
+def computed_in_tf32(output: Tensor) -> bool:
+    """Whether a float32 `output` may have been computed in TF32 (10 mantissa bits, like a 16-bit float): on CUDA
+    where TF32 is allowed; cuDNN's recurrent layers and convolutions allow it by default (a GRU's output recomputed
+    step by step in float32 differed by 1e-4, relative, on an H200). Its checks take a 16-bit tolerance."""
+    if output.dtype != torch.float32 or not output.is_cuda:
+        return False
+    return torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
+
+
 @dataclass(frozen=True)
 class RngState:
     """The random number generators' state: the CPU one, and the one of the CUDA device a call ran on."""

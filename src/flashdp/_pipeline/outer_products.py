@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from flashdp.per_sample import OuterGrad, TokenRows, accumulation_dtype
+from flashdp.per_sample import OuterGrad, TokenRows, accumulation_dtype, bmm_in
 
 Strategy = Literal["ghost", "direct"]
 
@@ -96,5 +96,5 @@ def materialise(block: OuterGrad, batch: int) -> Tensor:
         out = block.right.new_zeros(n * rows, d, dtype=dtype)
         out.index_add_(0, flat, block.right.reshape(-1, d).to(dtype))
         return out.view(batch, -1, d)
-    grads = torch.bmm(block.left.to(dtype).transpose(1, 2), block.right.to(dtype))  # [B * g, p, d]
+    grads = bmm_in(block.left.transpose(1, 2), block.right, dtype)  # [B * g, p, d]
     return grads.reshape(batch, -1, d)

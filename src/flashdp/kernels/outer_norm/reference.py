@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from flashdp.per_sample import OuterGrad, TokenRows, accumulation_dtype, cast
+from flashdp.per_sample import OuterGrad, TokenRows, accumulation_dtype, bmm_in
 
 #: Positions per tile of the ghost norm: no Gram matrix larger than GHOST_TILE x GHOST_TILE is built per row.
 GHOST_TILE = 512
@@ -30,7 +30,7 @@ def sum_of_squares(x: Tensor) -> Tensor:
 
 def per_sample(left: Tensor, right: Tensor, dtype: torch.dtype) -> Tensor:
     """`[N, p, d]` per-sample gradients `L_n^T R_n`, materialised in `dtype`."""
-    return torch.bmm(cast(left, dtype).transpose(1, 2), cast(right, dtype))
+    return bmm_in(left.transpose(1, 2), right, dtype)
 
 
 def direct_norm_sq(left: Tensor, right: Tensor) -> Tensor:
@@ -46,7 +46,7 @@ def gram(x: Left, y: Left, dtype: torch.dtype) -> Tensor:
         return gram(y, x, dtype).transpose(1, 2)
     if isinstance(y, TokenRows):
         return x.to(dtype).gather(2, y.ids[:, None, :].expand(-1, x.shape[1], -1))
-    return torch.bmm(x.to(dtype), y.to(dtype).transpose(1, 2))
+    return bmm_in(x, y.transpose(1, 2), dtype)
 
 
 def _tiles(block: OuterGrad, tile: int) -> Iterator[OuterGrad]:

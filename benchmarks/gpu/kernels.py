@@ -1,6 +1,6 @@
 """GPU check and benchmark of flashdp's Triton kernels (needs a CUDA device).
 
-    python benchmarks/gpu/kernels.py              # correctness, kernel timings, full steps
+    python benchmarks/gpu/kernels.py              # correctness, kernel timings
     python benchmarks/gpu/kernels.py --quick      # fewer shapes
 
 1. Correctness: every kernel against float64, in float32 and bfloat16 (error at most 2x plain PyTorch's).
@@ -8,8 +8,7 @@
    B in {1, 2, 4}, bf16) with triton.testing.do_bench: the direct and ghost norm kernels against
    (a) materialising per-sample gradients with einsum, (b) ghost norm with full T x T Gram matrices (as Opacus),
    (c) the layer's own non-private backward (dX and dW GEMMs); TFLOP/s of the direct kernel vs the dW GEMM.
-3. A full training step of a Llama-like model (d = 2048, 16 layers, T = 2048, bf16): non-private vs flash vs bk,
-   time and peak memory.
+A full training step, side by side per mode, is `benchmarks/gpu/step.py`.
 Prints markdown tables for docs/benchmarks.md.
 """
 
@@ -62,8 +61,8 @@ def _rel(got: torch.Tensor, exact: torch.Tensor) -> float:
 
 def time_layers(quick: bool) -> None:
     d = 4096
-    ps = (4096,) if quick else (4096, 14336)
-    ts = (512, 2048) if quick else (512, 2048, 4096, 8192)
+    ps = (4096, 14336)
+    ts = (2048, 8192) if quick else (512, 2048, 4096, 8192)
     bs = (1, 4) if quick else (1, 2, 4)
     print(
         "\n| p | T | B | direct kernel | ghost kernel | einsum per-sample | full-Gram ghost | non-private bwd (dX+dW) "
@@ -107,67 +106,6 @@ def _maybe(run) -> str:
         return "OOM"
 
 
-def time_steps(quick: bool) -> None:
-    from transformers import LlamaConfig
-
-    layers, t, b = (4, 1024, 2) if quick else (16, 2048, 2)
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=layers,
-        num_attention_heads=16,
-        max_position_embeddings=t,
-        tie_word_embeddings=False,
-    )
-    ids = torch.randint(0, 32000, (b, t), device="cuda")
-    print(f"\n| mode (Llama-like d=2048, {layers} layers, T={t}, B={b}, bf16) | step time | tokens/s | peak memory |")
-    print("|---|---|---|---|")
-    base = None
-    for mode in ("non-private", "bk", "flash"):
-        ms, peak = _time_step(mode, config, ids)
-        base = base or (ms, peak)
-        print(
-            f"| {mode} | {ms:.0f} ms ({ms / base[0]:.2f}x) | {ids.numel() / ms * 1e3:.0f} | {peak:.1f} GiB "
-            f"({peak / base[1]:.2f}x) |"
-        )
-        torch.cuda.empty_cache()
-
-
-def _time_step(mode: str, config, ids: torch.Tensor) -> tuple[float, float]:
-    """(median step time in ms, peak GiB allocated) of one training step."""
-    from transformers import LlamaForCausalLM
-    from triton.testing import do_bench
-
-    import flashdp
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).cuda().bfloat16()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    engine = None
-    if mode != "non-private":
-        engine = flashdp.make_private(
-            model, mode=mode, max_grad_norm=1.0, noise_multiplier=1.0, optimizer=opt,
-            expected_batch_size=len(ids), sample_rate=0.01,
-        )  # fmt: skip
-
-    def step() -> None:
-        loss = flashdp.per_sample_lm_loss(model(ids).logits, ids)
-        if engine is None:
-            loss.mean().backward()
-            opt.step()
-            opt.zero_grad()
-        else:
-            engine.backward(loss)
-            engine.step()
-
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    ms = do_bench(step, warmup=1, rep=5)
-    return ms, torch.cuda.max_memory_allocated() / 2**30
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -177,7 +115,6 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     check_kernels()
     time_layers(args.quick)
-    time_steps(args.quick)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,10 @@ def count(mode: str) -> tuple[int, int]:
             torch.cuda.set_sync_debug_mode("warn")
             run()
             torch.cuda.set_sync_debug_mode("default")
-        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        for w in syncs:  # where each came from: the Python line that called the syncing operation
+            print(f"  {mode}: {w.filename}:{w.lineno}: {str(w.message)[:120]}", file=sys.stderr)
+        counts.append(len(syncs))
     return counts[0], counts[1]
 
 

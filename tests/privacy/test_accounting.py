@@ -1,5 +1,7 @@
 """Accounting: dp-accounting's values, cheap at every step; bounded work at absurd settings; calibration."""
 
+import functools
+
 import dp_accounting
 import pytest
 from dp_accounting import pld, rdp
@@ -8,6 +10,7 @@ from hypothesis import strategies as st
 
 from flashdp import FlashDPError
 from flashdp.privacy import Accountant, calibrate_noise_multiplier, epsilon_of
+from flashdp.privacy.composition import MARGIN
 
 
 def _reference(kind, history, delta, discretization=1e-4):
@@ -30,20 +33,71 @@ runs = st.lists(
 )
 
 
-@settings(max_examples=8)
+def agrees_with_dp_accounting(kind, value, reference):
+    """RDP: dp-accounting's value to the bit. PLD: an upper bound on it, within the documented margin."""
+    if kind == "rdp":
+        return value == reference
+    return reference <= value <= reference * (1 + 2 * MARGIN)
+
+
+@settings(max_examples=8, deadline=None)
 @given(runs=runs, kind=st.sampled_from(["pld", "rdp"]))
-def test_epsilon_after_every_step_equals_dp_accounting_exactly(runs, kind):
-    """Asked at every step, through the kept composition, the value is dp-accounting's for the whole history."""
+def test_epsilon_after_every_step_agrees_with_dp_accounting(runs, kind):
+    """Asked at every step, through the kept composition, the value is dp-accounting's for the whole history
+    (PLD: never below it, within 2e-6)."""
     accountant = Accountant(kind)
     checked = 0
     for sigma, q, steps in runs:
         for _ in range(steps):
             accountant.step(sigma, q)
+            accountant.epsilon(1e-5)
         if checked < 2 or kind == "rdp":  # PLD references are slow: the first runs, then the end
-            assert accountant.epsilon(1e-5) == _reference(kind, accountant.history, 1e-5)
+            assert agrees_with_dp_accounting(kind, accountant.epsilon(1e-5), _reference(kind, accountant.history, 1e-5))
             checked += 1
-    assert accountant.epsilon(1e-5) == _reference(kind, accountant.history, 1e-5)
-    assert accountant.epsilon(1e-6) == _reference(kind, accountant.history, 1e-6)
+    assert agrees_with_dp_accounting(kind, accountant.epsilon(1e-5), _reference(kind, accountant.history, 1e-5))
+    assert agrees_with_dp_accounting(kind, accountant.epsilon(1e-6), _reference(kind, accountant.history, 1e-6))
+
+
+@functools.cache
+def _one_step_pld(**kwargs):
+    return _from_gaussian_mechanism(**kwargs)
+
+
+_from_gaussian_mechanism = pld.privacy_loss_distribution.from_gaussian_mechanism
+
+
+@settings(max_examples=6, deadline=None)
+@given(first=runs, second=runs, every=st.integers(min_value=3, max_value=9))
+def test_the_kept_composition_equals_one_from_scratch(first, second, every):
+    """Steps of one history, asked every few steps, then another history loaded (a resume): each value equals
+    the one composed from scratch for the same history, to rounding. (The one-step distributions, dp-accounting's,
+    are built once per test.)"""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pld.privacy_loss_distribution, "from_gaussian_mechanism", _one_step_pld)
+        _compare_with_scratch((first, second), every)
+
+
+def _compare_with_scratch(histories, every):
+    accountant = Accountant("pld")
+    for history in histories:
+        accountant.load_state_dict({"kind": "pld", "history": []})
+        for k, (sigma, q, steps) in enumerate(history):
+            for n in range(steps):
+                accountant.step(sigma, q)
+                if (n + k) % every == 0:
+                    fresh = epsilon_of("pld", accountant.history, 1e-5)
+                    assert accountant.epsilon(1e-5) == pytest.approx(fresh, rel=1e-9)
+
+
+def test_a_long_run_asked_at_every_step_stays_on_dp_accounting():
+    """Hundreds of steps of one run, the transform advanced by products between calls: at the end, and where the
+    FFT size changed on the way, the value is still dp-accounting's (within the margin)."""
+    accountant = Accountant("pld")
+    for step in range(1, 401):
+        accountant.step(1.0, 0.02)
+        value = accountant.epsilon(1e-5)
+        if step in (37, 400):
+            assert agrees_with_dp_accounting("pld", value, _reference("pld", accountant.history, 1e-5))
 
 
 def test_a_tiny_noise_multiplier_is_answered_at_once_with_an_upper_bound():

@@ -13,9 +13,12 @@ breakdown of two more steps of that mode at the first shape (to stderr).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import statistics
+import sys
 import time
 
 import torch
@@ -66,7 +69,7 @@ def measure(model: torch.nn.Module, mode: str, ids: torch.Tensor, steps: int, pr
             engine.step()
 
     try:
-        first = _timed(step, device)
+        first = _timed(_profiled(step, f"first {mode} step") if profile else step, device)
         _timed(step, device)
         times = [_timed(step, device) for _ in range(steps)]
         peak = _peak_gib(device)
@@ -86,6 +89,21 @@ def measure(model: torch.nn.Module, mode: str, ids: torch.Tensor, steps: int, pr
         "peak_gib": peak,
         "strategies": _count(strategies),
     }
+
+
+def _profiled(step, title: str):
+    """`step` under cProfile: the 25 functions of most own time, printed to stderr (where the first step's host
+    time goes: recording, the forward check's probes, the layout verification, the self-check)."""
+
+    def run() -> None:
+        profile = cProfile.Profile()
+        profile.runcall(step)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        print(f"== {title}", file=sys.stderr)
+        pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+
+    return run
 
 
 def _count(strategies: dict) -> dict:

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -84,3 +85,18 @@ def test_two_conv_layers_with_groupnorm_match_oracle():
     x = torch.randn(3, 3, 8, 8, dtype=torch.float64)
     for mode in ("bk", "ghost"):
         check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 3, mode=mode)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's TF32 convolutions need a CUDA device")
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_float32_cnn_on_cuda_passes_the_self_check_though_cudnn_convolves_in_tf32(mode):
+    """cuDNN convolves float32 in TF32 by default: autograd's weight gradients round to 10 mantissa bits where
+    flashdp's per-sample products are IEEE float32; the first backward's self-check must take that as rounding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.ReLU(), nn.Conv2d(32, 32, 3, stride=2),
+        nn.Flatten(), nn.LazyLinear(10),
+    ).cuda()  # fmt: skip
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    model(x)
+    check_against_oracle(model, lambda rows: model(x[rows]).square().sum(1), 8, mode=mode, rtol=3e-2)

@@ -34,6 +34,7 @@ from flashdp.distributed import Adapter
 from flashdp.distributed.checks import highest_on_any_rank
 from flashdp.errors import FlashDPError
 from flashdp.kernels import backend as kernels_backend
+from flashdp.per_sample import computed_in_tf32
 from flashdp.rules.recompute import raise_failed
 
 
@@ -197,7 +198,7 @@ def _verdict(parts: Parts, known: Knowledge, graph: LossGraph, verifying: Verify
     """What the verifying pass found, agreed by every rank (the highest any of them found), with what explains a
     failure; raises where nothing does."""
     loss, calls = graph.loss, verifying.calls
-    rtol = self_check.tolerance([loss.dtype, *(m.dtype for c in calls for m in c.output_meta)])
+    rtol = self_check.tolerance([loss.dtype, *(m.dtype for c in calls for m in c.output_meta)], computed_in_tf32(loss))
     with torch.no_grad(), parts.adapter.norm_pass():
         failing = self_check.batch_independence_failures(
             loss, calls, verifying.sketches, verifying.dims, rtol, parts.check_generator
@@ -234,7 +235,8 @@ def _finish(parts: Parts, known: Knowledge, graph: LossGraph, done: _Pass, keeps
         policy, group = parts.settings.nonfinite, parts.adapter.dp_group
         skipped = nonfinite.nonfinite_samples(policy, clip_norms_sq, norms, group, finite)
         if checking:
-            _check_per_sample(parts, loss, norms, done.held, self_check.tolerance(done.dtypes), keeps.graph)
+            rtol = self_check.tolerance(done.dtypes, computed_in_tf32(loss))
+            _check_per_sample(parts, loss, norms, done.held, rtol, keeps.graph)
     return Measurement(norms, clip_norms_sq, skipped)
 
 

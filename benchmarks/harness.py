@@ -33,8 +33,8 @@ def unavailable(mode: str) -> str | None:
 def data(model_name: str, seq: int, batch: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's input and the targets. seq: tokens per sequence, or image side in pixels."""
     generator = torch.Generator().manual_seed(0)
-    if model_name in ("llama", "t5"):
-        vocab = VOCAB if model_name == "llama" else T5_SMALL["vocab_size"]
+    if model_name in ("llama", "t5", "mixtral"):
+        vocab = T5_SMALL["vocab_size"] if model_name == "t5" else VOCAB
         ids = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
         return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)  # Opacus views the ids
     classes = 1000 if model_name == "vit" else 10
@@ -44,6 +44,10 @@ def data(model_name: str, seq: int, batch: int, device: str) -> tuple[torch.Tens
 
 #: HF T5-small's shape (t5-small on the Hub), randomly initialised
 T5_SMALL = {"vocab_size": 32128, "d_model": 512, "d_kv": 64, "d_ff": 2048, "num_layers": 6, "num_heads": 8}
+#: a small Mixtral-shaped decoder (8 experts, top-2), transformers' eager experts
+MIXTRAL_SMALL = {"vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 8,
+                 "num_experts_per_tok": 2, "experts_implementation": "eager"}  # fmt: skip
 #: HF ViT-Base/16's shape (google/vit-base-patch16-224), randomly initialised
 VIT_BASE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
             "image_size": 224, "patch_size": 16, "num_labels": 1000}  # fmt: skip
@@ -60,22 +64,24 @@ class Logits(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "vit":
             return self.model(pixel_values=x).logits
+        if self.kind == "mixtral":
+            return self.model(input_ids=x, use_cache=False).logits
         return self.model(input_ids=x, decoder_input_ids=x).logits
 
 
 def build_model(model_name: str, device: str, checkpointing: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    if model_name in ("vit", "t5"):
+    if model_name in ("vit", "t5", "mixtral"):
         import transformers
 
-        config = (
-            transformers.ViTConfig(**VIT_BASE)
-            if model_name == "vit"
-            else transformers.T5Config(**T5_SMALL, dropout_rate=0.0, decoder_start_token_id=0)
-        )
-        model_class = (
-            transformers.ViTForImageClassification if model_name == "vit" else transformers.T5ForConditionalGeneration
-        )
+        config, model_class = {
+            "vit": lambda: (transformers.ViTConfig(**VIT_BASE), transformers.ViTForImageClassification),
+            "t5": lambda: (
+                transformers.T5Config(**T5_SMALL, dropout_rate=0.0, decoder_start_token_id=0),
+                transformers.T5ForConditionalGeneration,
+            ),
+            "mixtral": lambda: (transformers.MixtralConfig(**MIXTRAL_SMALL), transformers.MixtralForCausalLM),
+        }[model_name]()
         return Logits(model_class(config), model_name).to(device)
     return (LlamaLike(checkpointing=checkpointing) if model_name == "llama" else SmallCNN()).to(device)
 

@@ -3,6 +3,7 @@ non-private training, side by side in one process.
 
     python benchmarks/hf_models.py                  # writes the "HF models" section of docs/benchmarks.md
     python benchmarks/hf_models.py --rounds 3 --no-write
+    python benchmarks/hf_models.py --models mixtral --no-write   # the mixture-of-experts table
 
 Per model, every mode is built in one process and timed in interleaved rounds (non-private, flashdp bk, ...), so
 drift on a shared machine hits them alike; the median is reported with its ratio to non-private training. A mode
@@ -29,8 +30,12 @@ from benchmarks.harness import make_step, unavailable  # noqa: E402
 from benchmarks.sections import write_section  # noqa: E402
 
 #: model -> (seq: tokens per sequence or image side, batch)
-SHAPES = {"vit": (224, 4), "t5": (128, 4)}
-NAMES = {"vit": "ViT-Base/16 (224 px, 86M parameters)", "t5": "T5-small (T=128 in and out, 60M parameters)"}
+SHAPES = {"vit": (224, 4), "t5": (128, 4), "mixtral": (128, 8)}
+NAMES = {
+    "vit": "ViT-Base/16 (224 px, 86M parameters)",
+    "t5": "T5-small (T=128 in and out, 60M parameters)",
+    "mixtral": "Mixtral-shaped (d=256, 4 layers, 8 experts top-2, eager experts, T=128, B=8)",
+}
 MODES = ("non-private", "flashdp-bk", "flashdp-ghost", "opacus-hooks", "opacus-ghost")
 
 

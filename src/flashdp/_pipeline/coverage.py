@@ -191,9 +191,13 @@ def layout_promotions(
                     site.label, next((m.shape[0] for m in calls[i].output_meta if m.shape), 0), batch
                 )
             raise FlashDPError(
-                f"Layer {site.label} gives an output without the batch as its first dim, which no later op "
-                "broadcasts over the batch and no enclosing module's forward takes back to batch-first outputs: "
-                "its per-sample gradients cannot be computed. Freeze its parameters, or register a rule."
+                f"The gradient of layer {site.label}'s output is not separable by sample. Either (1) the loss of "
+                "a sample depends on other samples: a term computed from the whole batch was added to every "
+                "sample's loss, like the auxiliary load-balancing loss of a mixture-of-experts model (`aux_loss`, "
+                "from output_router_logits=True): leave it out of the per-sample loss; or (2) the layer gives an "
+                "output without the batch as its first dim, which no later op broadcasts over the batch and no "
+                "enclosing module's forward takes back to batch-first outputs: freeze its parameters, or register "
+                "a rule."
             )
         keys = [plan.param_of[(id(calls[i].module), n)].key for n in site.trainable]
         targets.setdefault(outer[0].module, []).extend(keys)

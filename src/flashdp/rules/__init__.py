@@ -4,7 +4,7 @@ Importing this package registers the built-in rules.
 """
 
 from flashdp.per_sample import OuterGrad, PerSampleGrad, TokenRows
-from flashdp.rules import activations, attention, conv, embedding, linear, normalization, recurrent
+from flashdp.rules import activations, attention, conv, embedding, experts, linear, normalization, recurrent
 from flashdp.rules.registry import Rule, RuleMatch, find_rule, register_rule
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "attention",
     "conv",
     "embedding",
+    "experts",
     "find_rule",
     "linear",
     "normalization",

@@ -31,7 +31,9 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
     batch, rows = call.batch_size, call.rows_per_sample
     leaves, spec = tree_flatten((call.args, call.kwargs))
     leaves = [x.detach() if isinstance(x, Tensor) else x for x in leaves]
-    batched = [i for i, x in enumerate(leaves) if _has_batch(x, batch * rows)]
+    # inputs of B * k rows, and inputs of B rows where the outputs fold the batch into rows (a router's
+    # `x.view(-1, d)` of `[B, T, d]`): each sample's rows
+    batched = [i for i, x in enumerate(leaves) if _has_batch(x, batch * rows) or _has_batch(x, batch)]
     params = {name: p.detach() for name, p in call.params.items()}
     # only the outputs that reach the loss: the others add nothing (and may mix samples, like CLIP's logits)
     used = [j for j, g in enumerate(call.grad_outputs) if g is not None]

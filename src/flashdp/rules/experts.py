@@ -1,0 +1,147 @@
+"""Routed experts of mixture-of-experts layers, as Hugging Face transformers 5 stores them (Mixtral, Qwen2-MoE, OLMoE,
+GraniteMoE, DeepSeek-V2, Jamba, GPT-OSS): one module holding every expert's weights, `gate_up_proj` `[E, 2I, d]`
+and `down_proj` `[E, d, I]` (transposed, and with biases, in GPT-OSS), called on the batch's tokens `x` `[N, d]`
+with each token's `K` experts `top_k_index` `[N, K]` and routing weights `top_k_weights` `[N, K]`:
+
+    out_t = sum_k w_tk * (down_e gate(gate_up_e x_t + b1_e) + b2_e),   e = top_k_index[t, k]
+
+with the module's own gating `gate` (`act(h_gate) * h_up`; GPT-OSS's clamped, interleaved one).
+
+Expert e's weights are a Linear on the tokens routed to it, so a sample's gradient of expert e is a sum of outer
+products over that sample's tokens routed to e: `down_proj[e]`: `sum_t dy_te a_te^T` with `dy_te = w_te g_t` and
+`a_te` the expert's hidden activation; `gate_up_proj[e]`: `sum_t dh_te x_t^T`, `dh_te` the gradient at its first
+projection. Every expert is one group of an `OuterGrad` (`conv_groups = E`), so the norms (ghost or direct) and the
+clipped sums are the Linear's, exact in bk, ghost and flash. Tokens not routed to an expert have `dy = 0` there and
+add nothing; an expert no token of a sample reached gets a zero gradient for that sample.
+
+The tokens come folded into rows (`N = B * T`, sample-major); the engine hands them to the rule as `[B, T, ...]`.
+Each expert's activations are recomputed over all tokens (zero rows where not routed): exact and free of
+data-dependent shapes, at E / K times the experts' forward FLOPs (a compaction by routed rows is the next step).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from flashdp.per_sample import OuterGrad, PerSampleGrad
+from flashdp.rules.registry import register_rule
+
+_WEIGHTS = {"gate_up_proj", "down_proj"}
+_BIASES = {"gate_up_proj_bias", "down_proj_bias"}
+
+
+def is_routed_experts(module: nn.Module) -> bool:
+    """transformers' experts module: `gate_up_proj` `[E, 2I, d]` and `down_proj` `[E, d, I]` (`[E, d, 2I]` and
+    `[E, I, d]` where `is_transposed`), with biases `[E, 2I]` and `[E, d]` where `has_bias`, a gating function, and
+    no other parameter."""
+    params = dict(module.named_parameters(recurse=False))
+    biased = bool(getattr(module, "has_bias", False))
+    if set(params) != (_WEIGHTS | _BIASES if biased else _WEIGHTS):
+        return False
+    if not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False):
+        return False
+    if not hasattr(module, "_apply_gate") and not (hasattr(module, "act_fn") and getattr(module, "is_concatenated", 1)):
+        return False
+    gate_up, down = _weights(module)
+    return (
+        gate_up.dim() == 3
+        and down.dim() == 3
+        and gate_up.shape[0] == down.shape[0]
+        and gate_up.shape[1] == 2 * down.shape[2]
+        and gate_up.shape[2] == down.shape[1]
+    )
+
+
+def _weights(module: nn.Module) -> tuple[Tensor, Tensor]:
+    """`gate_up_proj` as `[E, 2I, d]` and `down_proj` as `[E, d, I]` (views of the transposed layout)."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if getattr(module, "is_transposed", False):
+        return gate_up.transpose(1, 2), down.transpose(1, 2)
+    return gate_up, down
+
+
+def _bias(module: nn.Module, name: str, e: int) -> Tensor | float:
+    return getattr(module, name)[e] if getattr(module, "has_bias", False) else 0.0
+
+
+def _gate(module: nn.Module, gate_up: Tensor) -> Tensor:
+    """`[..., 2I]` -> `[..., I]`: the module's own gating (transformers' `_apply_gate`: act(gate) * up)."""
+    apply_gate = getattr(module, "_apply_gate", None)
+    if apply_gate is not None:
+        return apply_gate(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
+def _routing(top_k_index: Tensor, top_k_weights: Tensor, experts: int) -> Tensor:
+    """`[..., E]` each token's routing weight per expert (0 where not routed), from `[..., K]` indices and
+    weights; indices outside `[0, E)` (transformers' marker of a dropped token) route nowhere."""
+    hits = top_k_index.unsqueeze(-1) == torch.arange(experts, device=top_k_index.device)  # [..., K, E]
+    return (top_k_weights.unsqueeze(-1) * hits).sum(-2)
+
+
+def routed_experts_forward(module: nn.Module, inputs: tuple) -> Tensor:
+    """The forward the rule assumes: `[N, d]` -> `[N, d]`, every expert on every token, weighted by its routing."""
+    x, top_k_index, top_k_weights = inputs
+    gate_up, down = _weights(module)
+    routing = _routing(top_k_index, top_k_weights, gate_up.shape[0])  # [N, E]
+    out = torch.zeros_like(x)
+    for e in range(gate_up.shape[0]):
+        hidden = _gate(module, x @ gate_up[e].T + _bias(module, "gate_up_proj_bias", e))
+        y = hidden @ down[e].T + _bias(module, "down_proj_bias", e)
+        out = out + routing[..., e, None].to(x.dtype) * y
+    return out
+
+
+def routed_experts_grads(
+    module: nn.Module, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]
+) -> dict[str, PerSampleGrad]:
+    """Per expert e, `dy = w_e g` and the recomputed activations: `down_proj` from `dy` and `a`, `gate_up_proj` from
+    `dh` and `x` (OuterGrads of E groups: row `b * E + e` holds sample b's tokens through expert e), biases
+    `[B, E, *]` as sums of `dh` and `dy` over tokens.
+
+    x `[B, T, d]`, top_k_index / top_k_weights `[B, T, K]`, g `[B, T, d]`."""
+    x, top_k_index, top_k_weights = (_as_tokens(t) for t in inputs)
+    g = _as_tokens(grad_output)
+    gate_up, down = (w.detach() for w in _weights(module))
+    experts = gate_up.shape[0]
+    routing = _routing(top_k_index, top_k_weights, experts).to(g.dtype)  # [B, T, E]
+    dys, hiddens, dhs = [], [], []
+    for e in range(experts):
+        dy = g * routing[..., e, None]  # [B, T, d]
+        with torch.enable_grad():
+            projected = (x @ gate_up[e].T + _bias(module, "gate_up_proj_bias", e)).detach().requires_grad_()
+            hidden = _gate(module, projected)  # [B, T, I]
+            (dh,) = torch.autograd.grad(hidden, projected, dy @ down[e])
+        dys.append(dy)
+        hiddens.append(hidden.detach())
+        dhs.append(dh)
+    dy, hidden, dh, xs = (_by_expert(parts) for parts in (dys, hiddens, dhs, [x] * experts))
+    transposed = getattr(module, "is_transposed", False)
+    products = {
+        "down_proj": OuterGrad(hidden, dy, experts) if transposed else OuterGrad(dy, hidden, experts),
+        "gate_up_proj": OuterGrad(xs, dh, experts) if transposed else OuterGrad(dh, xs, experts),
+        "down_proj_bias": lambda: _token_sums(dy, experts),
+        "gate_up_proj_bias": lambda: _token_sums(dh, experts),
+    }
+    return {name: grad() if callable(grad) else grad for name, grad in products.items() if name in trainable}
+
+
+def _token_sums(rows: Tensor, experts: int) -> Tensor:
+    """`[B * E, T, k]` -> `[B, E, k]`: each sample's sum over its tokens, per expert."""
+    sums = rows.sum(1, dtype=torch.promote_types(rows.dtype, torch.float32))
+    return sums.view(-1, experts, rows.shape[2])
+
+
+def _as_tokens(t: Tensor) -> Tensor:
+    """`[B, T, k]`: a sample's tokens (one token per sample arrives as `[B, k]`)."""
+    return t if t.dim() == 3 else t.unsqueeze(1)
+
+
+def _by_expert(parts: list[Tensor]) -> Tensor:
+    """E tensors `[B, T, k]` -> `[B * E, T, k]`, row `b * E + e` from part e."""
+    return torch.stack(parts, dim=1).flatten(0, 1)
+
+
+register_rule(is_routed_experts, routed_experts_grads, reference_forward=routed_experts_forward)

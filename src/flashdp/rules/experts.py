@@ -15,8 +15,9 @@ clipped sums are the Linear's, exact in bk, ghost and flash. Tokens not routed t
 add nothing; an expert no token of a sample reached gets a zero gradient for that sample.
 
 The tokens come folded into rows (`N = B * T`, sample-major); the engine hands them to the rule as `[B, T, ...]`.
-Each expert's activations are recomputed over all tokens (zero rows where not routed): exact and free of
-data-dependent shapes, at E / K times the experts' forward FLOPs (a compaction by routed rows is the next step).
+Each sample's tokens routed to expert e are gathered into rows (padded to the most any sample routed to one
+expert, one host sync per call) and the expert's activations recomputed on them, batched over experts: about the
+experts' own forward FLOPs again, times the padding.
 """
 
 from __future__ import annotations
@@ -97,27 +98,26 @@ def routed_experts_forward(module: nn.Module, inputs: tuple) -> Tensor:
 def routed_experts_grads(
     module: nn.Module, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]
 ) -> dict[str, PerSampleGrad]:
-    """Per expert e, `dy = w_e g` and the recomputed activations: `down_proj` from `dy` and `a`, `gate_up_proj` from
-    `dh` and `x` (OuterGrads of E groups: row `b * E + e` holds sample b's tokens through expert e), biases
-    `[B, E, *]` as sums of `dh` and `dy` over tokens.
+    """Per expert e, the rows of sample b's tokens routed to e: `dy = w g` and the recomputed activations;
+    `down_proj` from `dy` and `a`, `gate_up_proj` from `dh` and `x` (OuterGrads of E groups: row `b * E + e`),
+    biases `[B, E, *]` as sums of `dh` and `dy` over those rows.
 
     x `[B, T, d]`, top_k_index / top_k_weights `[B, T, K]`, g `[B, T, d]`."""
     x, top_k_index, top_k_weights = (_as_tokens(t) for t in inputs)
     g = _as_tokens(grad_output)
-    gate_up, down = (w.detach() for w in _weights(module))
+    gate_up, down = (w.detach() for w in _weights(module))  # [E, 2I, d], [E, d, I]
     experts = gate_up.shape[0]
-    routing = _routing(top_k_index, top_k_weights, experts).to(g.dtype)  # [B, T, E]
-    dys, hiddens, dhs = [], [], []
-    for e in range(experts):
-        dy = g * routing[..., e, None]  # [B, T, d]
-        with torch.enable_grad():
-            projected = (x @ gate_up[e].T + _bias(module, "gate_up_proj_bias", e)).detach().requires_grad_()
-            hidden = _gate(module, projected)  # [B, T, I]
-            (dh,) = torch.autograd.grad(hidden, projected, dy @ down[e])
-        dys.append(dy)
-        hiddens.append(hidden.detach())
-        dhs.append(dh)
-    dy, hidden, dh, xs = (_by_expert(parts) for parts in (dys, hiddens, dhs, [x] * experts))
+    rows, weights = _routed_rows(top_k_index, top_k_weights, experts)  # [B, E, R]
+    xs, gs = (_gather(t, rows) for t in (x, g))  # [B, E, R, d]
+    dy = gs * weights.to(gs.dtype)[..., None]
+    with torch.enable_grad():
+        projected = torch.einsum("berd,eod->bero", xs, gate_up)
+        if getattr(module, "has_bias", False):
+            projected = projected + module.gate_up_proj_bias.detach()[:, None, :]
+        projected = projected.detach().requires_grad_()
+        hidden = _gate(module, projected)  # [B, E, R, I]
+        (dh,) = torch.autograd.grad(hidden, projected, torch.einsum("berd,edi->beri", dy, down))
+    dy, hidden, dh, xs = (t.flatten(0, 1) for t in (dy, hidden.detach(), dh, xs))  # [B * E, R, *]
     transposed = getattr(module, "is_transposed", False)
     products = {
         "down_proj": OuterGrad(hidden, dy, experts) if transposed else OuterGrad(dy, hidden, experts),
@@ -128,8 +128,29 @@ def routed_experts_grads(
     return {name: grad() if callable(grad) else grad for name, grad in products.items() if name in trainable}
 
 
+def _routed_rows(top_k_index: Tensor, top_k_weights: Tensor, experts: int) -> tuple[Tensor, Tensor]:
+    """Per sample and expert, the positions of the tokens routed to it, first `[B, E, R]` (R: the most any sample
+    routed to one expert; one host sync), and their routing weights (0 in the padding, whose position is 0).
+    top_k_index, top_k_weights: `[B, T, K]`."""
+    hits = top_k_index.unsqueeze(-1) == torch.arange(experts, device=top_k_index.device)  # [B, T, K, E]
+    weights = (top_k_weights.unsqueeze(-1) * hits).sum(2).transpose(1, 2)  # [B, E, T]
+    routed = hits.any(2).transpose(1, 2)  # [B, E, T]
+    width = max(int(routed.sum(2).max()), 1) if routed.numel() else 1
+    # routed positions first, in token order (a stable sort of "not routed")
+    order = torch.sort((~routed).to(torch.int8), dim=2, stable=True).indices[..., :width]
+    kept = routed.gather(2, order)
+    return order * kept, weights.gather(2, order) * kept
+
+
+def _gather(t: Tensor, rows: Tensor) -> Tensor:
+    """`[B, T, k]` -> `[B, E, R, k]`: the rows at `rows` `[B, E, R]`."""
+    batch, experts, width = rows.shape
+    index = rows.reshape(batch, experts * width, 1).expand(-1, -1, t.shape[2])
+    return t.gather(1, index).view(batch, experts, width, t.shape[2])
+
+
 def _token_sums(rows: Tensor, experts: int) -> Tensor:
-    """`[B * E, T, k]` -> `[B, E, k]`: each sample's sum over its tokens, per expert."""
+    """`[B * E, R, k]` -> `[B, E, k]`: each sample's sum over its routed rows, per expert."""
     sums = rows.sum(1, dtype=torch.promote_types(rows.dtype, torch.float32))
     return sums.view(-1, experts, rows.shape[2])
 
@@ -137,11 +158,6 @@ def _token_sums(rows: Tensor, experts: int) -> Tensor:
 def _as_tokens(t: Tensor) -> Tensor:
     """`[B, T, k]`: a sample's tokens (one token per sample arrives as `[B, k]`)."""
     return t if t.dim() == 3 else t.unsqueeze(1)
-
-
-def _by_expert(parts: list[Tensor]) -> Tensor:
-    """E tensors `[B, T, k]` -> `[B * E, T, k]`, row `b * E + e` from part e."""
-    return torch.stack(parts, dim=1).flatten(0, 1)
 
 
 register_rule(is_routed_experts, routed_experts_grads, reference_forward=routed_experts_forward)

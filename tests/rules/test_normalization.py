@@ -101,3 +101,36 @@ def test_instance_norm_running_statistics_in_training_are_refused():
         norm.train()
         with pytest.raises(FlashDPError, match=r"track_running_stats=True in training mode.*eval\(\) the layer"):
             norm(torch.randn(2, 3, 4, 4))
+
+
+class _PoweredRMSNorm(nn.Module):
+    """An HF-style RMSNorm (matched by duck typing) whose plain attribute `power` changes its function:
+    `w ** power * x_hat`, the rule's function only where power is 1."""
+
+    def __init__(self, d: int, power: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d) if power == 1 else torch.ones(d))
+        self.variance_epsilon = 1e-6
+        self.power = power
+
+    def forward(self, x):
+        x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight**self.power * x_hat
+
+
+def test_alike_norms_share_one_probe_and_a_norm_that_differs_is_probed_on_its_own(monkeypatch):
+    """Four norms alike in class, plain attributes and shapes are probed once. A fifth computes `w^2 x_hat`: with
+    its weight at 1 its output is the rule's on the real values, so only its own probe (random weights) can tell;
+    taken on the others' verdict, its gradient would be wrong. It is probed and goes to the generic rule: exact."""
+    from flashdp._pipeline import recorder
+
+    probes = []
+    original = recorder._on_probe_values
+    monkeypatch.setattr(
+        recorder, "_on_probe_values", lambda site, inputs: probes.append(site.label) or original(site, inputs)
+    )
+    norms = [_PoweredRMSNorm(6, 1) for _ in range(4)] + [_PoweredRMSNorm(6, 2)]
+    model = nn.Sequential(*[m for norm in norms for m in (norm, nn.Linear(6, 6))]).double()
+    x = torch.randn(3, 5, 6, dtype=torch.float64)
+    check_against_oracle(model, lambda s: model(x[s]).square().sum((1, 2)), 3)
+    assert len(probes) == 2 and "'8'" in probes[1], probes

@@ -5,7 +5,7 @@ outputs and the parameters its rule counts, as the module held them during the c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -144,6 +144,7 @@ class Recorder:
         self._on_call = on_call
         self._keep_params = keep_params
         self._paused = False
+        self._probes: dict[Hashable, float | None] = {}  # probe verdicts shared by alike modules (`_probe_key`)
         self._rng_states: dict[int, list[RngState]] = {}
         # prepend: run before a wrapper's own post-forward hook (FSDP2 reshards its parameters there)
         self._handles = [
@@ -179,7 +180,7 @@ class Recorder:
                 _packed((args, kwargs), hooks)
             return
         if site.match is not None and site.match.verify_with is not None:  # (the plan it gives has none)
-            scale = _scale_of_its_rule(site, args or tuple(kwargs.values()), output)
+            scale = _scale_of_its_rule(site, args or tuple(kwargs.values()), output, self._probes)
             # a module that does not compute what its registered rule assumes gets the generic rule instead
             self._plan = self._plan.with_generic(module) if scale is None else self._plan.with_scale(module, scale)
             site = self._plan.site(module)
@@ -363,7 +364,7 @@ _PROBE_ROWS = 2
 
 
 @torch.no_grad()  # entirely: inside a checkpointed region, a saved tensor would break the recomputation
-def _scale_of_its_rule(site: Site, inputs: tuple, output: object) -> float | None:
+def _scale_of_its_rule(site: Site, inputs: tuple, output: object, probes: dict) -> float | None:
     """For a module matched by duck typing, or overriding its class's forward: the constant c with output =
     c * (its rule's forward) (1 when it computes exactly that; e.g. sqrt(d) for Gemma's scaled embedding), or
     None when it computes something else. Checked on its first call, while its parameters are as the call saw
@@ -376,24 +377,58 @@ def _scale_of_its_rule(site: Site, inputs: tuple, output: object) -> float | Non
     scale = _scale_between(output, expected)
     if scale is None:
         return None
-    try:
-        probed, probe_expected = _on_probe_values(site, inputs)
-    except Exception:  # its forward fails on other values: not the rule's function
-        return None
-    probe_scale = _scale_between(probed, probe_expected)
+    key = _probe_key(site, inputs)
+    if key is None or key not in probes:
+        try:
+            probed, probe_expected = _on_probe_values(site, inputs)
+            probe_scale = _scale_between(probed, probe_expected)
+        except Exception:  # its forward fails on other values: not the rule's function
+            probe_scale = None
+        if key is not None:
+            probes[key] = probe_scale
+    probe_scale = probes[key] if key is not None else probe_scale
     if probe_scale is None or abs(probe_scale - scale) > _FORWARD_CHECK_TOLERANCE[torch.float64] * abs(scale):
         return None
     return scale
+
+
+#: attribute values a module's probe verdict may be keyed on (anything else: the module is probed alone)
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _probe_key(site: Site, inputs: tuple) -> Hashable | None:
+    """What the probe's verdict depends on, for a module whose forward is a function of its class's code, plain
+    attributes, trainable parameters (drawn at random by shape) and inputs (by shape): modules alike in all of them
+    (a model's 33 RMSNorms) share one probe. None (probe this module alone) for a module with children, frozen
+    floating tensors or integer inputs (their values enter the probe), or attributes other than plain values."""
+    module = site.module
+    frozen = any(t.is_floating_point() and name not in site.trainable for name, t in _tensors_of(module))
+    kept = any(isinstance(x, Tensor) and not x.is_floating_point() for x in inputs)  # the probe keeps their values
+    if frozen or kept or next(module.children(), None) is not None:
+        return None
+    attributes = {k: v for k, v in vars(module).items() if not k.startswith("_")}
+    if not all(isinstance(v, _PLAIN) for v in attributes.values()):
+        return None
+    params = tuple((name, tuple(attribute(module, name).shape)) for name in sorted(site.trainable))
+    shapes = tuple(
+        (tuple(x.shape[1:]), x.dtype) if isinstance(x, Tensor) else type(x) for x in inputs
+    )  # rows beyond the probe's are cut: dim 0 does not enter
+    return (type(module), site.match.verify_with, tuple(sorted(attributes.items())), params, shapes)
 
 
 def _on_probe_values(site: Site, inputs: tuple) -> tuple[object, object]:
     """The module's forward and its rule's reference forward in float64, on random trainable parameters and random
     floating inputs (integer inputs such as token ids kept), without hooks and without touching the module. Inputs
     keep at most `_PROBE_ROWS` rows of their dim 0: the probe costs a sliver of the call's memory."""
-    generator = torch.Generator().manual_seed(0)
+    generators: dict[torch.device, torch.Generator] = {}
 
     def draw(t: Tensor) -> Tensor:
-        return torch.randn(t.shape, generator=generator, dtype=torch.float64, device="cpu").to(t.device)
+        """Drawn where `t` lives (a CUDA input of `[2, T, d]` drawn on the host took seconds per module at long
+        T), from a generator seeded alike on every device kind."""
+        device = t.device if t.device.type == "cuda" else torch.device("cpu")
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(0)
+        return torch.randn(t.shape, generator=generators[device], dtype=torch.float64, device=device).to(t.device)
 
     rows = tuple(x[:_PROBE_ROWS] if isinstance(x, Tensor) and x.dim() > 1 else x for x in inputs)
     probe_inputs = tuple(draw(x) if isinstance(x, Tensor) and x.is_floating_point() else x for x in rows)

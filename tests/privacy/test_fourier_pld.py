@@ -9,7 +9,14 @@ from dp_accounting.pld import pld_pmf
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from flashdp.privacy.fourier_pld import TAIL_MASS, ComposedPmf, FourierComposition, StepPmf, epsilon_for_delta
+from flashdp.privacy.fourier_pld import (
+    TAIL_MASS,
+    ComposedPmf,
+    FourierComposition,
+    StepPmf,
+    _truncated,
+    epsilon_for_delta,
+)
 
 
 @st.composite
@@ -84,3 +91,18 @@ def test_runs_compose_in_order_as_one_convolution():
     start = composed.lower - (3 * a.lower + 3 * b.lower)
     np.testing.assert_allclose(composed.probs, exact[start : start + len(composed.probs)], atol=1e-15)
     assert composed.infinity == pytest.approx(1 - 0.99**3 + 2 * TAIL_MASS, rel=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(pmf=pmfs())
+def test_truncation_moves_at_most_the_tail_mass_and_only_pessimistically(pmf):
+    """The lowest losses' mass moves up onto the lowest loss kept, the highest's to infinity, each at most half the
+    tail mass; the rest is unchanged and no mass is lost."""
+    cut = _truncated(pmf)
+    assert math.isclose(cut.probs.sum() + cut.infinity, pmf.probs.sum() + pmf.infinity, rel_tol=1e-12)
+    assert 0 <= cut.infinity - pmf.infinity <= TAIL_MASS / 2
+    offset = cut.lower - pmf.lower
+    assert offset >= 0 and pmf.probs[:offset].sum() <= TAIL_MASS / 2
+    inner = pmf.probs[offset + 1 : offset + len(cut.probs)]
+    assert np.array_equal(cut.probs[1:], inner)
+    assert cut.probs[0] >= pmf.probs[offset]

@@ -101,7 +101,7 @@ class FourierComposition:
         if keys[: len(self._prefix_runs)] != self._prefix_runs:
             self._prefix_runs, self._prefix, self._size = [], _IDENTITY, 0
         for i in range(len(self._prefix_runs), len(done)):
-            self._prefix = self._extend(*done[i])
+            self._prefix = _truncated(self._extend(*done[i]))
             self._prefix_runs.append(keys[i])
             self._size = 0  # the kept transform is the previous prefix's
 
@@ -135,6 +135,23 @@ class FourierComposition:
             power = transform**steps
         self._last = (step.key, transform, steps, power)
         return power
+
+
+def _truncated(pmf: ComposedPmf) -> ComposedPmf:
+    """The composition with at most `TAIL_MASS / 2` of its losses at each end folded pessimistically: the lowest
+    moved up onto the lowest loss kept, the highest counted as infinite. Keeps a prefix of many runs as long as its
+    mass spreads (each run's window alone would add its whole width)."""
+    probs = pmf.probs
+    below = np.cumsum(probs)
+    first = int(np.searchsorted(below, TAIL_MASS / 2, side="right"))
+    above = np.cumsum(probs[::-1])
+    end = len(probs) - int(np.searchsorted(above, TAIL_MASS / 2, side="right"))
+    if first >= end:  # (not for a distribution of mass near 1: kept whole)
+        return pmf
+    kept = probs[first:end].copy()
+    kept[0] += below[first - 1] if first else 0.0
+    dropped = float(above[len(probs) - end - 1]) if end < len(probs) else 0.0
+    return ComposedPmf(kept, pmf.lower + first, pmf.infinity + max(dropped, 0.0))
 
 
 def _window(values: np.ndarray, start: int, length: int) -> np.ndarray:

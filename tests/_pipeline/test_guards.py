@@ -97,3 +97,36 @@ def test_a_second_backward_on_one_forward_says_so():
         engine.backward(loss)
         with pytest.raises(FlashDPError, match=r"already called on this forward's loss: each forward is clipped once"):
             engine.backward(loss)
+
+
+def test_a_model_collected_during_another_optimizers_step_leaves_the_step_alone():
+    """Each engine's guard against direct optimizer steps used to be a global optimizer pre-hook removed when its
+    model was collected: a collection while torch iterated over those hooks (another optimizer's step) raised
+    "OrderedDict mutated during iteration" (seen once in CI). Here a hook registered before the engines forces the
+    collection inside the iteration, with the guards' hooks still ahead of it."""
+    import gc
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    victims = []
+
+    def collect(*_):
+        victims.clear()
+        gc.collect()
+
+    handle = register_optimizer_step_pre_hook(collect)
+    doomed = nn.Linear(2, 2)
+    flashdp.make_private(doomed, max_grad_norm=1.0, noise_multiplier=1.0)  # its engine dropped without detach
+    victims.append(doomed)
+    del doomed
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = flashdp.make_private(
+        model, max_grad_norm=1.0, noise_multiplier=0.0, optimizer=optimizer, expected_batch_size=2
+    )
+    try:
+        engine.backward(model(torch.randn(2, 2)).sum(1))
+        engine.step()
+    finally:
+        handle.remove()
+        engine.detach()

@@ -16,6 +16,7 @@ private. Two guards, at no cost to a step:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -38,9 +39,11 @@ class GradientProvenance:
         self._fingerprints: dict[str, tuple[Tensor, int] | None] | None = None
         self._stepping = False
         self._guarded = weakref.ref(guarded) if guarded is not None else None
-        self._hook = register_optimizer_step_pre_hook(self._refuse_foreign_step) if guarded is not None else None
-        if self._hook is not None:  # (a model collected without detach takes the global hook with it)
-            weakref.finalize(guarded, self._hook.remove)
+        self._key = next(_KEYS)  # (not id(self): a collected guard's id may be reused by another's)
+        if guarded is not None:
+            _GUARDS[self._key] = self
+            _hook_every_optimizer_step()
+            weakref.finalize(guarded, _GUARDS.pop, self._key, None)  # (a model collected without detach: unwatched)
 
     def check_before_backward(self, gradients: Gradients) -> None:
         foreign = self._foreign(gradients)
@@ -74,9 +77,7 @@ class GradientProvenance:
             self._stepping = False
 
     def remove(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        _GUARDS.pop(self._key, None)
 
     def _foreign(self, gradients: Gradients) -> list[str]:
         """Non-zero gradients not as engine.backward left them."""
@@ -106,6 +107,24 @@ class GradientProvenance:
                 "Give the optimizer to make_private(..., optimizer=opt), call engine.backward(per_sample_losses), "
                 "then engine.step() (which calls optimizer.step() and optimizer.zero_grad() itself)."
             )
+
+
+#: every engine's guard, all seen by ONE global optimizer pre-hook. (A hook per engine, removed when its model was
+#: collected, could be removed by the garbage collector while torch iterated over the hooks of another optimizer's
+#: step: "OrderedDict mutated during iteration", seen once in CI.)
+_GUARDS: dict[int, GradientProvenance] = {}
+_KEYS = itertools.count()
+_HOOK: list[object] = []  # the global hook's handle, once registered
+
+
+def _hook_every_optimizer_step() -> None:
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_refuse_foreign_steps))
+
+
+def _refuse_foreign_steps(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    for guard in list(_GUARDS.values()):  # (a snapshot: a guard may go while this runs)
+        guard._refuse_foreign_step(optimizer, args, kwargs)
 
 
 def _fingerprint(g: Tensor | None) -> tuple[Tensor, int] | None:

@@ -107,6 +107,12 @@ def bmm_in(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.bmm(cast(a, dtype), cast(b, dtype))
 
 
+def rounding_dtype(output: Tensor) -> torch.dtype:
+    """The dtype whose rounding `output` carries, for the tolerance of a check: its own, or a 16-bit one where it is
+    float32 that CUDA may have computed in TF32 (10 mantissa bits, like a 16-bit float)."""
+    return torch.bfloat16 if computed_in_tf32(output) else output.dtype
+
+
 def computed_in_tf32(output: Tensor) -> bool:
     """Whether a float32 `output` may have been computed in TF32 (10 mantissa bits, like a 16-bit float): on CUDA
     where TF32 is allowed; cuDNN's recurrent layers and convolutions allow it by default (a GRU's output recomputed

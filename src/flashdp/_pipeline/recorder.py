@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from flashdp._pipeline.params import attribute
 from flashdp._pipeline.plan import GradientPlan, Site
 from flashdp.errors import FlashDPError
-from flashdp.per_sample import OutputMeta, RngState, computed_in_tf32, rng_state
+from flashdp.per_sample import OutputMeta, RngState, rng_state, rounding_dtype
 
 #: Relative error allowed when checking a module's forward against its rule's. It catches a different function
 #: (errors of order 1), not rounding: HF norms compute in float32 even for float64 inputs.
@@ -459,8 +459,7 @@ def _scale_between(output: object, expected: object) -> float | None:
         return None
     out, ref = output.double(), expected.double()
     scale = float((out * ref).sum() / (ref * ref).sum().clamp_min(1e-300))
-    narrow = computed_in_tf32(output)
-    tolerance = 3e-2 if narrow else _FORWARD_CHECK_TOLERANCE.get(output.dtype, 3e-2)
+    tolerance = _FORWARD_CHECK_TOLERANCE.get(rounding_dtype(output), 3e-2)
     error = (out - scale * ref).norm() / out.norm().clamp_min(1e-30)
     if not (bool(error <= tolerance) and scale != 0 and math.isfinite(scale)):
         return None

@@ -13,13 +13,11 @@ from torch import Tensor
 
 from flashdp._scoped import Scoped
 from flashdp.errors import FlashDPError
-from flashdp.per_sample import LayerCall, computed_in_tf32
+from flashdp.per_sample import LayerCall, rounding_dtype
 
-#: Relative error allowed between a recorded output and its recomputation (which may round differently).
+#: Relative error allowed between a recorded output and its recomputation (which may round differently), by the
+#: dtype whose rounding it carries (`rounding_dtype`; 16-bit: 3e-2)
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
-#: ... for 16-bit outputs, and float32 ones that CUDA may have computed in TF32 (`computed_in_tf32`)
-_NARROW_TOLERANCE = 3e-2
-
 
 #: a check left on the device: `[]` bool (passed), and the error to raise if it did not
 DeferredCheck = tuple[Tensor, Callable[[], Exception]]
@@ -76,8 +74,7 @@ def check_recomputed(label: str, recorded: Tensor | None, again: Tensor, how: st
             f"{tuple(recorded.shape)}: its batch is not where its rule expects it. Register a rule for its type "
             "with flashdp.register_rule(...)."
         )
-    narrow = computed_in_tf32(recorded)
-    tolerance = _NARROW_TOLERANCE if narrow else _TOLERANCE.get(recorded.dtype, _NARROW_TOLERANCE)
+    tolerance = _TOLERANCE.get(rounding_dtype(recorded), 3e-2)
     scale = recorded.detach().double().norm().clamp_min(1e-30)
     error = (again.detach().double() - recorded.detach().double()).norm() / scale
     failure = functools.partial(_recomputed_differently, label, how, error)

@@ -377,19 +377,22 @@ def _scale_of_its_rule(site: Site, inputs: tuple, output: object, probes: dict) 
     scale = _scale_between(output, expected)
     if scale is None:
         return None
-    key = _probe_key(site, inputs)
-    if key is None or key not in probes:
-        try:
-            probed, probe_expected = _on_probe_values(site, inputs)
-            probe_scale = _scale_between(probed, probe_expected)
-        except Exception:  # its forward fails on other values: not the rule's function
-            probe_scale = None
-        if key is not None:
-            probes[key] = probe_scale
-    probe_scale = probes[key] if key is not None else probe_scale
+    key = _probe_key(site, inputs)  # (None: this module's probe is its own, never kept)
+    probe_scale = probes[key] if key in probes else _probe_scale(site, inputs)
+    if key is not None:
+        probes[key] = probe_scale
     if probe_scale is None or abs(probe_scale - scale) > _FORWARD_CHECK_TOLERANCE[torch.float64] * abs(scale):
         return None
     return scale
+
+
+def _probe_scale(site: Site, inputs: tuple) -> float | None:
+    """The scale between the module's forward and its rule's on values of the probe's drawing, or None."""
+    try:
+        probed, probe_expected = _on_probe_values(site, inputs)
+    except Exception:  # its forward fails on other values: not the rule's function
+        return None
+    return _scale_between(probed, probe_expected)
 
 
 #: attribute values a module's probe verdict may be keyed on (anything else: the module is probed alone)

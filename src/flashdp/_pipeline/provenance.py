@@ -16,6 +16,7 @@ private. Two guards, at no cost to a step:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import weakref
 from collections.abc import Iterator, Sequence
@@ -23,6 +24,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from flashdp.errors import FlashDPError
 
@@ -114,12 +116,11 @@ class GradientProvenance:
 #: step: "OrderedDict mutated during iteration", seen once in CI.)
 _GUARDS: dict[int, GradientProvenance] = {}
 _KEYS = itertools.count()
-_HOOK: list[object] = []  # the global hook's handle, once registered
 
 
-def _hook_every_optimizer_step() -> None:
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_refuse_foreign_steps))
+@functools.cache  # registered once per process
+def _hook_every_optimizer_step() -> RemovableHandle:
+    return register_optimizer_step_pre_hook(_refuse_foreign_steps)
 
 
 def _refuse_foreign_steps(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

@@ -75,10 +75,15 @@ def _gate(module: nn.Module, gate_up: Tensor) -> Tensor:
     return module.act_fn(gate) * up
 
 
-def _routing(top_k_index: Tensor, top_k_weights: Tensor, experts: int) -> Tensor:
-    """`[..., E]` each token's routing weight per expert (0 where not routed), from `[..., K]` indices and
-    weights; indices outside `[0, E)` (transformers' marker of a dropped token) route nowhere."""
-    hits = top_k_index.unsqueeze(-1) == torch.arange(experts, device=top_k_index.device)  # [..., K, E]
+def _hits(top_k_index: Tensor, experts: int) -> Tensor:
+    """`[..., K, E]` whether each of a token's K choices is expert e; indices outside `[0, E)` (transformers' marker
+    of a dropped token) route nowhere."""
+    return top_k_index.unsqueeze(-1) == torch.arange(experts, device=top_k_index.device)
+
+
+def _routing(hits: Tensor, top_k_weights: Tensor) -> Tensor:
+    """`[..., E]` each token's routing weight per expert (0 where not routed), from its `_hits` and `[..., K]`
+    weights."""
     return (top_k_weights.unsqueeze(-1) * hits).sum(-2)
 
 
@@ -86,7 +91,7 @@ def routed_experts_forward(module: nn.Module, inputs: tuple) -> Tensor:
     """The forward the rule assumes: `[N, d]` -> `[N, d]`, every expert on every token, weighted by its routing."""
     x, top_k_index, top_k_weights = inputs
     gate_up, down = _weights(module)
-    routing = _routing(top_k_index, top_k_weights, gate_up.shape[0])  # [N, E]
+    routing = _routing(_hits(top_k_index, gate_up.shape[0]), top_k_weights)  # [N, E]
     out = torch.zeros_like(x)
     for e in range(gate_up.shape[0]):
         hidden = _gate(module, x @ gate_up[e].T + _bias(module, "gate_up_proj_bias", e))
@@ -119,21 +124,21 @@ def routed_experts_grads(
         (dh,) = torch.autograd.grad(hidden, projected, torch.einsum("berd,edi->beri", dy, down))
     dy, hidden, dh, xs = (t.flatten(0, 1) for t in (dy, hidden.detach(), dh, xs))  # [B * E, R, *]
     transposed = getattr(module, "is_transposed", False)
-    products = {
+    grads: dict[str, PerSampleGrad] = {
         "down_proj": OuterGrad(hidden, dy, experts) if transposed else OuterGrad(dy, hidden, experts),
         "gate_up_proj": OuterGrad(xs, dh, experts) if transposed else OuterGrad(dh, xs, experts),
-        "down_proj_bias": lambda: _token_sums(dy, experts),
-        "gate_up_proj_bias": lambda: _token_sums(dh, experts),
     }
-    return {name: grad() if callable(grad) else grad for name, grad in products.items() if name in trainable}
+    if getattr(module, "has_bias", False):
+        grads |= {"down_proj_bias": _token_sums(dy, experts), "gate_up_proj_bias": _token_sums(dh, experts)}
+    return {name: grad for name, grad in grads.items() if name in trainable}
 
 
 def _routed_rows(top_k_index: Tensor, top_k_weights: Tensor, experts: int) -> tuple[Tensor, Tensor]:
     """Per sample and expert, the positions of the tokens routed to it, first `[B, E, R]` (R: the most any sample
     routed to one expert; one host sync), and their routing weights (0 in the padding, whose position is 0).
     top_k_index, top_k_weights: `[B, T, K]`."""
-    hits = top_k_index.unsqueeze(-1) == torch.arange(experts, device=top_k_index.device)  # [B, T, K, E]
-    weights = (top_k_weights.unsqueeze(-1) * hits).sum(2).transpose(1, 2)  # [B, E, T]
+    hits = _hits(top_k_index, experts)  # [B, T, K, E]
+    weights = _routing(hits, top_k_weights).transpose(1, 2)  # [B, E, T]
     routed = hits.any(2).transpose(1, 2)  # [B, E, T]
     width = max(int(routed.sum(2).max()), 1) if routed.numel() else 1
     # routed positions first, in token order (a stable sort of "not routed")

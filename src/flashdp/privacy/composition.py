@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import dp_accounting
@@ -84,14 +84,14 @@ class _Kept(dict):
     """One-step values by (sigma, q): those of the latest history's runs (every composition needs each of them;
     rebuilding a PLD costs about 0.3 s), the others dropped."""
 
-    def keep(self, key, value):
-        self[key] = value
-        return value
-
-    def keep_only(self, runs: History) -> None:
+    def of(self, runs: History, build: Callable[[float, float], object]) -> list:
+        """Each run's one-step value, `build(sigma, q)` where not kept; the values of other (sigma, q) dropped."""
         wanted = {(sigma, q) for sigma, q, _ in runs}
         for key in [k for k in self if k not in wanted]:
             del self[key]
+        for key in wanted - self.keys():
+            self[key] = build(*key)
+        return [self[(sigma, q)] for sigma, q, _ in runs]
 
 
 class RdpComposition:
@@ -108,17 +108,14 @@ class RdpComposition:
             return trivial
         curve = np.zeros_like(self.orders, dtype=np.float64)
         with _quiet():
-            for sigma, q, steps in runs:
-                curve = curve + steps * self._one_step(sigma, q)
-            self._steps.keep_only(runs)
+            for one_step, (_, _, steps) in zip(self._steps.of(runs, _rdp_one_step), runs, strict=True):
+                curve = curve + steps * one_step
             return rdp_privacy_accountant.compute_epsilon(self.orders, curve, delta)[0]
 
-    def _one_step(self, sigma: float, q: float) -> np.ndarray:
-        found = self._steps.get((sigma, q))
-        if found is not None:
-            return found
-        event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
-        return self._steps.keep((sigma, q), np.asarray(rdp.RdpAccountant().compose(event).rdp))
+
+def _rdp_one_step(sigma: float, q: float) -> np.ndarray:
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+    return np.asarray(rdp.RdpAccountant().compose(event).rdp)
 
 
 class PldComposition:
@@ -149,8 +146,7 @@ class PldComposition:
         if delta < FOURIER_DELTA_FLOOR:
             return min(_composed_by_dp_accounting(runs, delta, self.discretization), bound)
         with _quiet():
-            steps = [(self._one_step(sigma, q), n) for sigma, q, n in runs]
-        self._steps.keep_only(runs)
+            steps = list(zip(self._steps.of(runs, self._one_step), (n for _, _, n in runs), strict=True))
         adjacencies = 1 if all(remove is add for (remove, add), _ in steps) else 2
         value = max(
             epsilon_for_delta(composer.compose([(pair[a], n) for pair, n in steps]), self.discretization, delta)
@@ -169,9 +165,6 @@ class PldComposition:
 
     def _one_step(self, sigma: float, q: float) -> tuple[StepPmf, StepPmf]:
         """The step's (remove, add) PMFs; the same object twice where dp-accounting's PLD is symmetric."""
-        found = self._steps.get((sigma, q))
-        if found is not None:
-            return found
         distribution = pld.privacy_loss_distribution.from_gaussian_mechanism(
             standard_deviation=sigma, value_discretization_interval=self.discretization, sampling_prob=q
         )
@@ -179,7 +172,7 @@ class PldComposition:
         add = (
             remove if _internal(distribution, "_symmetric") else _step_pmf((sigma, q, "add"), distribution, "_pmf_add")
         )
-        return self._steps.keep((sigma, q), (remove, add))
+        return remove, add
 
 
 def _composed_by_dp_accounting(runs: History, delta: float, discretization: float) -> float:

@@ -121,7 +121,9 @@ def poisson_loader(
     )
 
 
-def micro_batches(batch: Any, max_size: int, *, group: dist.ProcessGroup | None = None) -> Iterator[Any]:
+def micro_batches(
+    batch: Any, max_size: int, *, group: dist.ProcessGroup | None = None, users: torch.Tensor | None = None
+) -> Iterator[Any]:
     """Split a batch (a tensor, or tuples / lists / dicts of tensors sharing the leading dim) into pieces of at
     most `max_size` samples, so memory stays bounded whatever size the Poisson sampler drew. An empty batch
     yields itself once, so that `engine.backward` still runs before `engine.step`.
@@ -129,6 +131,9 @@ def micro_batches(batch: Any, max_size: int, *, group: dist.ProcessGroup | None 
     group: under FSDP, whose forward and backward run collectives, every rank must run as many micro-batches as
     the others; with the data-parallel group here, ranks that drew fewer samples add empty micro-batches (one
     all-reduce of the count). Call it on every rank of the group then.
+    users: `[B]` the user of each row (user-level clipping, `engine.backward(loss, users=...)`): every user's rows
+    go into ONE piece, users packed in order of first appearance (a user's rows in batch order). Include the ids in
+    `batch` to receive each piece's ids with it. A user with more than `max_size` rows is refused.
     """
     if max_size < 1:
         raise FlashDPError(f"max_size must be at least 1. Received {max_size!r}.")
@@ -138,14 +143,40 @@ def micro_batches(batch: Any, max_size: int, *, group: dist.ProcessGroup | None 
             f"micro_batches: every tensor of the batch must share the leading (batch) dim. Received sizes {sizes}."
         )
     size = sizes.pop()
-    pieces = max(1, -(-size // max_size))
+    rows = None if users is None else _user_pieces(users, size, max_size)
+    pieces = max(1, -(-size // max_size) if rows is None else len(rows))
     if group is not None:
         nccl = dist.get_backend(group) == "nccl"
         count = torch.tensor([pieces], dtype=torch.int64, device="cuda" if nccl else "cpu")
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
         pieces = int(count.item())
     for piece in range(pieces):  # past the end, slices are empty
-        yield _map_tensors(batch, lambda t, s=piece * max_size: t[s : s + max_size])
+        if rows is None:
+            yield _map_tensors(batch, lambda t, s=piece * max_size: t[s : s + max_size])
+        else:
+            yield _map_tensors(batch, lambda t, p=piece: t[rows[p].to(t.device)] if p < len(rows) else t[:0])
+
+
+def _user_pieces(users: torch.Tensor, size: int, max_size: int) -> list[torch.Tensor]:
+    """Row indices of each piece: whole users, packed in order of first appearance, at most `max_size` rows."""
+    if not isinstance(users, torch.Tensor) or users.shape != (size,):
+        got = tuple(users.shape) if isinstance(users, torch.Tensor) else type(users).__name__
+        raise FlashDPError(f"micro_batches: users must be a tensor of shape ({size},), one id per row. Received {got}.")
+    by_user: dict[int, list[int]] = {}
+    for row, user in enumerate(users.tolist()):
+        by_user.setdefault(user, []).append(row)
+    pieces: list[list[int]] = [[]]
+    for user, rows in by_user.items():
+        if len(rows) > max_size:
+            raise FlashDPError(
+                f"micro_batches: user {user} has {len(rows)} rows, more than max_size={max_size}, and a user's rows "
+                "must be clipped in one backward. Raise max_size, or sample at most max_size examples per user "
+                "(engine.data_loader(..., examples_per_user=k))."
+            )
+        if len(pieces[-1]) + len(rows) > max_size:
+            pieces.append([])
+        pieces[-1].extend(rows)
+    return [torch.tensor(rows, dtype=torch.long) for rows in pieces if rows]
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ from flashdp._pipeline.plan import scan_model
 from flashdp._pipeline.profiling import PhaseTimer, profiling_requested
 from flashdp._pipeline.recorder import Forward
 from flashdp._pipeline.settings import DEFAULT_SELF_CHECK_INTERVAL, EngineSettings, Mode, NonFinite
+from flashdp._pipeline.users import UserGroups, UserLedger
 from flashdp.data import check_loader_rate, poisson_loader
 from flashdp.distributed import adapter_for
 from flashdp.distributed.checks import check_norm_group, check_same_samples
@@ -97,6 +98,7 @@ class DPEngine:
         self._backward_calls = 0
         self._last_loss_node: int | None = None
         self._skipped_samples = 0
+        self._users = UserLedger()
 
     def _checked_norm_group(self, norm_group: dist.ProcessGroup | None) -> bool:
         """Whether nothing is left to check of the norm group (its samples are checked at the first backward)."""
@@ -149,30 +151,39 @@ class DPEngine:
 
     # -- clipping -----------------------------------------------------------------------------------------
 
-    def backward(self, loss: Tensor) -> Tensor:
+    def backward(self, loss: Tensor, *, users: Tensor | None = None) -> Tensor:
         """Add `sum_i c_i grad(loss[i])` to every trainable parameter's `.grad`; return `||g_i||` `[B]` float32.
 
         loss: `[B]`, one loss per sample of the last forward (e.g. `reduction="none"`). For a micro-batch with no
         samples, whose forward a model may not run, call `backward_empty()` instead.
+        users: `[B]` integer ids, for user-level privacy: the clipped unit is then a user's gradient
+            `g_u = sum_{i in u} g_i`, `.grad += sum_u c_u g_u`, and row i of the result is `||g_u||` of its user.
+            All of a user's rows of one step must be in one backward on one rank (else refused); an engine clips
+            by user from its first backward on, or never (docs/guides/user_level.md).
         """
         loss, forward = self._take_forward(loss, check_provenance=True)
         self._attachment.grad_writes.check_no_gradient_hooks()
         batch = loss.shape[0]
+        groups = None if users is None else UserGroups.of(users, batch, loss.device)
+        clipping = self._users.check(groups, self._adapter.dp_group, loss.device)
+        units = batch if groups is None else groups.count
         if batch == 0 and self._adapter.world_size == 1:
             self.noisy_step.backward_done(0)
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
         # an empty batch on one rank of several still runs every pass: the wrappers' collectives must match
-        measured = self._measure(loss, forward, self._sums.keeps)
+        measured = self._measure(loss, forward, self._sums.keeps, groups)
         clip_norms_sq = measured.clip_norms_sq
         coef, norms = self._coefficients(measured)
         del measured
         with self._timer.phase("second pass / bk sums"):
-            self._sums.add(loss, norms, coef)
+            self._sums.add(loss, norms, coef, groups)
         del norms
+        self._users.clipped(clipping)
         provenance = self._attachment.provenance
         provenance.record(self._adapter.accumulated_gradients(self._known.plan.params))
-        self.noisy_step.backward_done(batch)
-        return clip_norms_sq.sum(0).sqrt().float()
+        self.noisy_step.backward_done(units)
+        unit_norms = clip_norms_sq.sum(0).sqrt().float()
+        return unit_norms if groups is None else groups.per_row(unit_norms)
 
     def backward_empty(self) -> None:
         """The backward of a micro-batch with no samples (Poisson sampling draws them), without a forward: many
@@ -227,14 +238,14 @@ class DPEngine:
             self._norm_group_checked = True
         return loss, forward
 
-    def _measure(self, loss: Tensor, forward: Forward, keeps: Keeps) -> Measurement:
+    def _measure(self, loss: Tensor, forward: Forward, keeps: Keeps, users: UserGroups | None = None) -> Measurement:
         """The checked per-sample norms (`measurement.measure`), no `.grad` written meanwhile; what the backward
         learnt is committed only if it succeeds, but a forward's own checks of its modules' rules (on values of
         their own) are evidence of their own, kept either way."""
         self._commit(self._known.with_plan(forward.plan))
         index, self._backward_calls = self._backward_calls, self._backward_calls + 1
         with self._attachment.grad_writes.refusing():
-            measured, known = measure(self._parts, self._known, loss, forward.calls, index, keeps)
+            measured, known = measure(self._parts, self._known, loss, forward.calls, index, keeps, users)
         self._commit(known)
         return measured
 
@@ -261,6 +272,7 @@ class DPEngine:
         `p.grad = (p.grad + N(0, sigma^2 C^2 I)) / expected_batch_size`, then `optimizer.step()`,
         `optimizer.zero_grad()` and one accountant step (`NoisyStep`)."""
         self.noisy_step()
+        self._users.step_taken()
         self._timer.report(self.steps, self.strategies)
 
     def data_loader(

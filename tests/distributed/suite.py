@@ -52,6 +52,21 @@ class AdapterSuite:
             for got, expected in zip(rank["params"], expected_params, strict=True):
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
+    @pytest.mark.parametrize("mode", ["bk", "ghost"])
+    def test_users_clipped_on_their_ranks_equal_one_process(self, mode):
+        ranks = run(workloads.rank_with_users, self.wrapper, mode, False)
+        model = workloads.build_model()
+        ids = workloads.global_batch()
+        norms = workloads.train(model, model, ids, mode, noise=0.0, micro=workloads.BATCH, users=workloads.USERS)
+        torch.testing.assert_close(torch.cat([r["norms"] for r in ranks]), norms, rtol=1e-5, atol=1e-6)
+        for rank in ranks:
+            for got, expected in zip(rank["params"], model.parameters(), strict=True):
+                torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)
+
+    def test_a_user_on_two_ranks_is_refused_on_every_rank(self):
+        for rank in run(workloads.rank_with_users, self.wrapper, "bk", True):
+            assert "User(s) [2] have rows in several backward calls or ranks" in rank["error"]
+
     def test_a_nan_gradient_on_one_rank_stops_every_rank(self):
         said = run(workloads.rank_with_a_nan_gradient, self.wrapper, "bk")
         assert "sample 2 is not finite" in said[1]

@@ -50,14 +50,20 @@ def per_sample_loss(model, ids) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.transpose(1, 2), ids, reduction="none").mean(1)
 
 
-def train(model, wrapped, ids, mode, noise, micro, seed=None, group=None):
+def train(model, wrapped, ids, mode, noise, micro, seed=None, group=None, users=None):
+    """One DP step on `ids` in micro-batches of `micro` rows (with `users`: user-level clipping, each micro-batch
+    split at user boundaries)."""
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     engine = flashdp.make_private(
         wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=noise, optimizer=optimizer,
         expected_batch_size=BATCH, sample_rate=0.1, seed=seed,
     )  # fmt: skip
-    parts = flashdp.micro_batches(ids, micro, group=group)
-    norms = torch.cat([engine.backward(per_sample_loss(wrapped, part)) for part in parts])
+    if users is None:
+        parts = flashdp.micro_batches(ids, micro, group=group)
+        norms = torch.cat([engine.backward(per_sample_loss(wrapped, part)) for part in parts])
+    else:
+        parts = flashdp.micro_batches((ids, users), micro, group=group, users=users)
+        norms = torch.cat([engine.backward(per_sample_loss(wrapped, part), users=who) for part, who in parts])
     engine.step()
     engine.detach()
     return norms
@@ -103,6 +109,26 @@ def rank_run(rank: int, wrapper: str, mode: str, noise: float, seed):
     params = full_params(wrapped)
     locals_ = [p.to_local().clone() if hasattr(p, "to_local") else p.detach().clone() for p in wrapped.parameters()]
     return {"norms": norms, "params": params, "local": locals_}
+
+
+#: the global batch's users: rank 0 holds users 0-2 (user 0 twice), rank 1 users 3-4 (user 3 three times)
+USERS = torch.tensor([0, 1, 0, 2, 3, 3, 4, 3])
+
+
+def rank_with_users(rank: int, wrapper: str, mode: str, shared_user: bool) -> dict:
+    """User-level clipping with each rank's users its own; with `shared_user`, rank 1's first row belongs to
+    user 2 of rank 0 (refused on every rank)."""
+    model = build_model()
+    rows = slice(rank * 4, rank * 4 + 4)
+    users = USERS[rows].clone()
+    if shared_user and rank == 1:
+        users[0] = 2
+    wrapped = wrap(model, wrapper)
+    try:
+        norms = train(model, wrapped, global_batch()[rows], mode, 0.0, micro=3, group=dist.group.WORLD, users=users)
+    except flashdp.FlashDPError as error:
+        return {"error": str(error)}
+    return {"norms": norms, "params": full_params(wrapped)}
 
 
 def single_process(mode: str):

@@ -18,6 +18,7 @@ from flashdp._pipeline.grad_writes import GradWrites
 from flashdp._pipeline.param_grad import ParamNorm
 from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.settings import EngineSettings
+from flashdp._pipeline.users import UserGroups
 from flashdp.distributed import Adapter
 from flashdp.kernels import backend as kernels_backend
 from flashdp.per_sample import cast
@@ -45,8 +46,9 @@ class BookKeeping:
         self._adapter, self._backend = adapter, settings.backend
         self.keeps = Keeps(graph=False, plans=True, for_overflow={})
 
-    def add(self, loss: Tensor, norms: Norms, coef: Tensor) -> None:
-        """`.grad += sum_i coef[l, i] g_i` for every reached parameter (l its clipping group); `coef` `[L, B]`."""
+    def add(self, loss: Tensor, norms: Norms, coef: Tensor, users: UserGroups | None) -> None:
+        """`.grad += sum_i coef[l, i] g_i` for every reached parameter (l its clipping group); `coef` `[L, B]`
+        (with users: `[L, U]`, applied to the plans, which are per user)."""
         with torch.no_grad(), kernels_backend(self._backend):
             rows = coef.unbind()  # (one op for every group's row, and one cast per dtype: not per parameter)
             cast_rows: dict[tuple[int, torch.dtype], Tensor] = {}
@@ -63,11 +65,12 @@ class SecondBackward:
         self._adapter, self._grad_writes = adapter, grad_writes
         self.keeps = Keeps(graph=True, plans=False, for_overflow=_overflow_without_plans(adapter))
 
-    def add(self, loss: Tensor, norms: Norms, coef: Tensor) -> None:
-        """A backward of `sum_i coef[0, i] loss_i` (one clipping group): only the reached parameters' `.grad` may
-        change."""
+    def add(self, loss: Tensor, norms: Norms, coef: Tensor, users: UserGroups | None) -> None:
+        """A backward of `sum_i coef[0, i] loss_i` (one clipping group; with users, row i takes its user's
+        coefficient): only the reached parameters' `.grad` may change."""
         counted = [param.param for param, _ in norms]
-        scale = (coef[0] * self._adapter.second_pass_scale).to(loss.dtype)
+        row_coef = coef[0] if users is None else users.per_row(coef[0])
+        scale = (row_coef * self._adapter.second_pass_scale).to(loss.dtype)
         with self._grad_writes.refusing(allowed=counted):
             (loss * scale).sum().backward()
 

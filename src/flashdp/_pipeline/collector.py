@@ -22,6 +22,7 @@ from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.plan import GradientPlan, Site
 from flashdp._pipeline.recorder import Call, Recorder
 from flashdp._pipeline.shared_outputs import SharedOutput
+from flashdp._pipeline.users import UserGroups
 from flashdp.errors import FlashDPError
 from flashdp.kernels import Backend
 from flashdp.kernels import backend as kernels_backend
@@ -48,6 +49,7 @@ class NormCollector:
         read when their call is received.
     defer_checks: the rules' checks of their recomputations are left on the device, in `deferred`, for the
         caller to read with its own sync (`recompute.raise_failed`) before it uses the norms.
+    users: the rows' users, when each user's rows are clipped together: the norms are then per user.
     """
 
     def __init__(
@@ -64,13 +66,14 @@ class NormCollector:
         keep_calls: bool = False,
         keep_gradients: bool = False,
         defer_checks: bool = False,
+        users: UserGroups | None = None,
     ) -> None:
         self.plan, self.batch = plan, batch
         self._calls: list[Call | None] = list(calls)
         self._kept: list[Call] = [c.without_outputs() for c in calls] if keep_calls else []
         self._strategy, self._keep_for_sum, self._backend = strategy, keep_for_sum, backend
         self._recorder, self._shared = recorder, shared or {}
-        self._keep_gradients = keep_gradients
+        self._keep_gradients, self._users = keep_gradients, users
         self._pending: dict[Hashable, int] = {}  # parameter -> calls counting it not yet received
         self._params: dict[Hashable, TrainableParam] = {}
         self._sites: list[tuple[Site, dict[str, Hashable]]] = []  # per call: its site, its parameters' keys
@@ -136,7 +139,7 @@ class NormCollector:
 
     def _finalise(self, key: Hashable) -> None:
         param, parts = self._params[key], self._parts.pop(key)
-        gradient = ParamGradient(param.name, param.shape, self.batch, self._strategy)
+        gradient = ParamGradient(param.name, param.shape, self.batch, self._strategy, self._users)
         for part in sorted(parts, key=lambda p: p.call_index) if len(parts) > 1 else parts:
             gradient.add(part.grad, part.source, generic=part.generic)
         self._norms[key] = gradient.norm_sq(self._keep_for_sum)

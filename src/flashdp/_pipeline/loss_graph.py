@@ -9,18 +9,25 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
 from flashdp._pipeline import shared_outputs
+from flashdp._pipeline.users import UserGroups
 
 #: node -> the nodes that consume it, with the `next_functions` slot they consume it at
 Parents = dict[Node, list[tuple[Node, int]]]
 
 
 class LossGraph:
-    """The graph from `loss` down, walked once (on the first question) into each node's consumers.
+    """The graph from `loss` down, walked once (on the first question) into each node's consumers, and the clipped
+    units of its rows: each row, or each user's rows together (`users`).
 
     The nodes' Python objects are held while the graph is; their saved tensors are freed by autograd as usual."""
 
-    def __init__(self, loss: Tensor) -> None:
-        self.loss = loss
+    def __init__(self, loss: Tensor, users: UserGroups | None = None) -> None:
+        self.loss, self.users = loss, users
+
+    @property
+    def units(self) -> int:
+        """How many units are clipped: the rows of the loss, or its users."""
+        return self.loss.shape[0] if self.users is None else self.users.count
 
     @functools.cached_property
     def parents(self) -> Parents:

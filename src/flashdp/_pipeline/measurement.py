@@ -29,6 +29,7 @@ from flashdp._pipeline.profiling import PhaseTimer
 from flashdp._pipeline.recorder import Call, Recorder
 from flashdp._pipeline.settings import EngineSettings
 from flashdp._pipeline.shared_outputs import capturing_per_sample_gradients
+from flashdp._pipeline.users import UserGroups
 from flashdp._pipeline.verifying import Verifying, receiver, refusal
 from flashdp.distributed import Adapter
 from flashdp.distributed.checks import highest_on_any_rank
@@ -64,7 +65,8 @@ class Parts:
 @dataclass
 class Measurement:
     """Each reached parameter's squared norms `[B]` (and clipped-sum plan), the clipping groups' squared norms
-    `[L, B]` float64, and the samples whose gradient is not finite (nonfinite="skip") or None."""
+    `[L, B]` float64, and the samples whose gradient is not finite (nonfinite="skip") or None. With users, B is
+    the number of users (`UserGroups`) and a sample is a user."""
 
     norms: Norms
     clip_norms_sq: Tensor
@@ -94,12 +96,19 @@ class _Finding:
 
 
 def measure(
-    parts: Parts, known: Knowledge, loss: Tensor, calls: list[Call], index: int, keeps: Keeps
+    parts: Parts,
+    known: Knowledge,
+    loss: Tensor,
+    calls: list[Call],
+    index: int,
+    keeps: Keeps,
+    users: UserGroups | None = None,
 ) -> tuple[Measurement, Knowledge]:
     """The checked norms of backward number `index` of the forward that recorded `calls` (handed over: emptied as
     the norm pass releases them), and what the engine knows after it. Runs the coverage walk and verification on
-    a forward structure not yet verified, the self-check when due, and every rank's agreement on them."""
-    batch, graph, shapes = loss.shape[0], LossGraph(loss), shapes_of(calls)
+    a forward structure not yet verified, the self-check when due, and every rank's agreement on them. With
+    `users`, the norms are those of each user's rows together."""
+    batch, graph, shapes = loss.shape[0], LossGraph(loss, users), shapes_of(calls)
     checking = known.self_check.due(index)
     if checking:
         known = known.self_checked(index)
@@ -174,6 +183,7 @@ def _attempt(
         recorder=parts.recorder,
         shared=shared,
         defer_checks=not verify,  # (a verifying pass may be redone: what it finds is read there)
+        users=graph.users,
         **keeps.for_overflow,
     )
     dims = [dims_of(known.plan, c) for c in rule_calls]
@@ -215,10 +225,10 @@ def _verdict(parts: Parts, known: Knowledge, graph: LossGraph, verifying: Verify
 def _finish(parts: Parts, known: Knowledge, graph: LossGraph, done: _Pass, keeps: Keeps, checking: bool) -> Measurement:
     """The norms of the pass: the clipping groups' (a float32 overflow recomputed in float64, summed over the
     tensor-parallel group), the non-finite policy applied, and the per-sample self-check when due."""
-    loss, batch, groups = graph.loss, graph.loss.shape[0], len(known.plan.clip_group_names)
+    loss, units, groups = graph.loss, graph.units, len(known.plan.clip_group_names)
     with torch.no_grad(), kernels_backend(parts.settings.backend), parts.timer.phase("norm computation"):
         norms = done.collector.finish()
-        clip_norms_sq = _group_norms_sq(norms, groups, batch, loss.device)
+        clip_norms_sq = _group_norms_sq(norms, groups, units, loss.device)
         checks = done.collector.deferred or []
         # one device sync for the rules' recomputations as recorded and the squared norms finite
         *recomputed, finite = torch.stack([*(ok for ok, _ in checks), torch.isfinite(clip_norms_sq).all()]).tolist()
@@ -227,7 +237,7 @@ def _finish(parts: Parts, known: Knowledge, graph: LossGraph, done: _Pass, keeps
         parts.strategies.update((param.name, norm.strategy) for param, norm in norms)
         if not finite:  # a float32 norm that overflowed, or a NaN/inf gradient
             norms = _float64_norms(parts, known, graph, norms, done.collector, keeps)
-            clip_norms_sq = _group_norms_sq(norms, groups, batch, loss.device)
+            clip_norms_sq = _group_norms_sq(norms, groups, units, loss.device)
         done.collector = None
         if parts.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
             with parts.timer.phase("communication"):
@@ -236,7 +246,7 @@ def _finish(parts: Parts, known: Knowledge, graph: LossGraph, done: _Pass, keeps
         skipped = nonfinite.nonfinite_samples(policy, clip_norms_sq, norms, group, finite)
         if checking:
             rtol = self_check.tolerance(done.dtypes, computed_in_tf32(loss))
-            _check_per_sample(parts, loss, norms, done.held, rtol, keeps.graph)
+            _check_per_sample(parts, graph, norms, done.held, rtol, keeps.graph)
     return Measurement(norms, clip_norms_sq, skipped)
 
 
@@ -252,7 +262,7 @@ def _float64_norms(
         redo.collector.finish()
         raise_failed(redo.collector.deferred)
         gradients = redo.collector.gradients
-    return nonfinite.recompute_overflowed(norms, gradients, graph.loss.shape[0])
+    return nonfinite.recompute_overflowed(norms, gradients, graph.units)
 
 
 def _rule_calls(plan: GradientPlan, calls: list[Call]) -> list[Call]:
@@ -278,14 +288,22 @@ def _graph_tensors(plan: GradientPlan, calls: list[Call]) -> dict[object, Tensor
     return held
 
 
-def _check_per_sample(parts: Parts, loss: Tensor, norms: Norms, held: dict, rtol: float, retain_graph: bool) -> None:
-    """The self-check's second part: a few samples' true per-sample gradients, by autograd, against the counts."""
+def _check_per_sample(
+    parts: Parts, graph: LossGraph, norms: Norms, held: dict, rtol: float, retain_graph: bool
+) -> None:
+    """The self-check's second part: a few samples' (or users') true gradients, by autograd, against the counts."""
     count = self_check.SAMPLES_PER_CHECK
-    picks = torch.randperm(max(loss.shape[0], 1), generator=parts.check_generator, device="cpu")[:count].tolist()
-    samples = [picks[k % len(picks)] for k in range(count)]  # as many passes on every rank
+    picks = torch.randperm(max(graph.units, 1), generator=parts.check_generator, device="cpu")[:count].tolist()
+    units = [_unit(graph.users, picks[k % len(picks)]) for k in range(count)]  # as many passes on every rank
     counted = [self_check.Counted(p.name, held[p.key], n.norm_sq, n.plan) for p, n in norms]
     with parts.adapter.norm_pass():
-        self_check.check_per_sample(loss, counted, samples, rtol, retain_graph)
+        self_check.check_per_sample(graph.loss, counted, units, rtol, retain_graph)
+
+
+def _unit(users: UserGroups | None, index: int) -> self_check.Unit:
+    if users is None:
+        return self_check.Unit(index, [index], f"sample {index}")
+    return self_check.Unit(index, users.rows_of(index), f"user {int(users.ids[index])} (rows {users.rows_of(index)})")
 
 
 def _group_norms_sq(norms: Norms, groups: int, batch: int, device: torch.device) -> Tensor:

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from flashdp import kernels
 from flashdp._pipeline import outer_products
+from flashdp._pipeline.users import UserGroups
 from flashdp.errors import FlashDPError
 from flashdp.kernels.outer_norm.reference import ghost_inner, per_sample, sum_of_squares
 from flashdp.per_sample import OuterGrad, PerSampleGrad, accumulation_dtype, cast
@@ -96,10 +97,18 @@ class ParamGradient:
 
     With `keep_for_sum`, the plan keeps only what the clipped sum needs: the per-sample gradients when the cost
     model materialised them (direct), else the factors. Without it (ghost, flash) the direct norm comes from a
-    kernel that never materialises them.
+    kernel that never materialises them. With `users`, the rows' contributions are grouped by user before the
+    norms (`UserGroups`): the norms and the plan are then per user, and `batch_size` is the number of users.
     """
 
-    def __init__(self, name: str, shape: torch.Size, batch_size: int, strategy: StrategyChoice = "auto") -> None:
+    def __init__(
+        self,
+        name: str,
+        shape: torch.Size,
+        batch_size: int,
+        strategy: StrategyChoice = "auto",
+        users: UserGroups | None = None,
+    ) -> None:
         self.name = name
         self.shape = torch.Size(shape)
         self.batch_size = batch_size
@@ -108,6 +117,7 @@ class ParamGradient:
         self.per_sample: Tensor | None = None  # [B, *shape], from rules that materialise
         self.blocks: list[OuterGrad] = []
         self.generic = False  # counted by the generic rule (shown as the strategy)
+        self._users = users
 
     @classmethod
     def from_plan(cls, name: str, plan: ClippedSumPlan, batch_size: int) -> ParamGradient:
@@ -148,6 +158,7 @@ class ParamGradient:
 
     def norm_sq(self, keep_for_sum: bool) -> ParamNorm:
         """The `[B]` squared norms, and with `keep_for_sum` the plan of the clipped sum."""
+        self._group_by_user()
         if self.per_sample is not None and self.blocks:  # a tied parameter, one of its layers materialising
             self.per_sample = self.per_sample + sum(
                 outer_products.materialise(b, self.batch_size).view(self.per_sample.shape) for b in self.blocks
@@ -157,6 +168,17 @@ class ParamGradient:
             plan = ClippedSumPlan(self.shape, per_sample=self.per_sample) if keep_for_sum else None
             return ParamNorm(sum_of_squares(self.per_sample), "generic" if self.generic else "per-sample", plan)
         return self._blocks_norm_sq(keep_for_sum)
+
+    def _group_by_user(self) -> None:
+        """Each user's rows summed (dense) or concatenated along positions (blocks), once: from here on a "sample"
+        is a user."""
+        users, self._users = self._users, None
+        if users is None:
+            return
+        if self.per_sample is not None:
+            self.per_sample = users.sum_rows(self.per_sample)
+        self.blocks = [users.regroup(b) for b in self.blocks]
+        self.batch_size = users.count
 
     def norm_sq_float64(self) -> Tensor:
         """The `[B]` squared norms recomputed in float64 (where float32 overflowed: a per-sample norm above about

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -210,15 +211,26 @@ def batch_independence_error(failing: Sequence[str], every: Sequence[str]) -> Fl
     )
 
 
+class Unit(NamedTuple):
+    """A clipped unit the check compares: a sample (one row of the loss) or a user (its rows together)."""
+
+    #: its place in the counted norms `[B]` (or `[U]`)
+    index: int
+    rows: list[int]
+    #: "sample 3", "user 1234"
+    label: str
+
+
 def check_per_sample(
-    loss: Tensor, counted: Sequence[Counted], samples: Sequence[int], rtol: float, retain_graph: bool
+    loss: Tensor, counted: Sequence[Counted], units: Sequence[Unit], rtol: float, retain_graph: bool
 ) -> None:
-    """Raise if, for a checked sample, a parameter's counted gradient differs from autograd's."""
+    """Raise if, for a checked unit, a parameter's counted gradient differs from autograd's gradient of the sum
+    of the unit's losses."""
     tensors = [c.tensor for c in counted]
-    for k, i in enumerate(samples):
+    for k, (i, rows, label) in enumerate(units):
         with torch.enable_grad():  # an empty rank still runs the pass (FSDP collectives)
-            target = loss[i] if loss.shape[0] else loss.sum()
-        keep = retain_graph or k < len(samples) - 1
+            target = loss[rows].sum() if loss.shape[0] else loss.sum()
+        keep = retain_graph or k < len(units) - 1
         true = torch.autograd.grad(target, tensors, retain_graph=keep, allow_unused=True)
         if not loss.shape[0]:
             continue
@@ -229,7 +241,7 @@ def check_per_sample(
         problems = [p for c, g in zip(counted, true, strict=True) if (p := _disagreement(c, g, i, rtol, total))]
         if problems:
             raise FlashDPError(
-                f"Self-check failed for sample {i}: what flashdp counted differs from autograd's per-sample "
+                f"Self-check failed for {label}: what flashdp counted differs from autograd's per-sample "
                 "gradient:\n  - " + "\n  - ".join(problems) + "\nLikely causes: a parameter used outside the "
                 "forward of the layer that counts it, a custom rule (register_rule) that computes another "
                 "gradient, or a loss[i] that depends on other samples. See docs/assumptions.md."

@@ -1,0 +1,202 @@
+"""User-level clipping: the rows of one backward grouped by the user they belong to.
+
+With `engine.backward(loss, users=ids)` the clipped unit is a user's gradient in the step, `g_u = sum_{i in u}
+g_i`. Everything up to a parameter's per-sample contributions is per row, as without users; `UserGroups` then
+sums each user's rows exactly, in the form the contributions come in:
+
+- materialised per-sample gradients `[B, ...]` are summed per user (`index_add`): `[U, ...]`;
+- outer-product blocks `g_i = sum_t left[i, t] ⊗ right[i, t]` are regrouped: a user's rows are concatenated
+  along positions (zero-padded to the most rows any user has), so that `g_u = sum_{t'} left'[u, t'] ⊗
+  right'[u, t']` and every norm of a block (ghost, direct, tokens) and its clipped sum hold per user unchanged.
+
+The norms and the bk clipped-sum plans are then per user; a second backward (ghost, flash) weights each row's
+loss by its user's coefficient (`per_row`). Users are numbered by first appearance in the batch, so distinct ids
+in any order give one row per user, and nothing is regrouped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from flashdp.distributed.checks import highest_on_any_rank
+from flashdp.errors import FlashDPError
+from flashdp.per_sample import OuterGrad, TokenRows
+
+
+@dataclass(frozen=True)
+class UserGroups:
+    """The users of one backward's B rows, numbered 0..U-1 by first appearance.
+
+    index: `[B]` each row's user (on the loss's device). members: `[U, K]` each user's rows in batch order,
+    padded with B (K = the most rows any user has). ids: `[U]` the users' ids (on the CPU)."""
+
+    index: Tensor
+    members: Tensor
+    ids: Tensor
+
+    @staticmethod
+    def of(users: object, batch: int, device: torch.device) -> UserGroups:
+        """The groups of `users`, checked: a 1-D integer tensor with one id per row of the loss."""
+        ids = _checked_ids(users, batch)
+        if batch == 0:
+            empty = torch.zeros(0, dtype=torch.long)
+            return UserGroups(empty.to(device), empty.view(0, 0), empty)
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        first = torch.full((len(unique),), batch).scatter_reduce_(0, inverse, torch.arange(batch), "amin")
+        order = first.argsort()  # the unique ids in order of first appearance
+        number = torch.empty_like(order)
+        number[order] = torch.arange(len(order))
+        index = number[inverse]
+        counts = torch.bincount(index, minlength=len(order))
+        by_user = index.argsort(stable=True)
+        starts = counts.cumsum(0) - counts
+        position = torch.arange(batch) - starts[index[by_user]]
+        members = torch.full((len(order), int(counts.max())), batch)
+        members[index[by_user], position] = by_user
+        return UserGroups(index.to(device), members.to(device), unique[order])
+
+    @property
+    def count(self) -> int:
+        """U, the number of users."""
+        return self.members.shape[0]
+
+    @property
+    def batch(self) -> int:
+        return self.index.shape[0]
+
+    @property
+    def one_row_each(self) -> bool:
+        """Every user has one row, in batch order: user u is row u, nothing to regroup."""
+        return self.members.shape[1] <= 1
+
+    def rows_of(self, user: int) -> list[int]:
+        """The batch rows of user number `user`."""
+        return [r for r in self.members[user].tolist() if r < self.batch]
+
+    def per_row(self, values: Tensor) -> Tensor:
+        """`[..., B]` each row's value from `[..., U]` per-user values (its user's)."""
+        return values if self.one_row_each else values[..., self.index]
+
+    def sum_rows(self, per_sample: Tensor) -> Tensor:
+        """`[U, ...]` each user's sum of materialised per-row gradients `[B, ...]`."""
+        if self.one_row_each:
+            return per_sample
+        out = per_sample.new_zeros(self.count, *per_sample.shape[1:])
+        return out.index_add_(0, self.index, per_sample)
+
+    def regroup(self, block: OuterGrad) -> OuterGrad:
+        """The block with each user's rows concatenated along positions: `[U * g, K * T, ...]` (g convolution
+        groups; zero rows where a user has fewer than K rows), whose outer products are the users' gradients."""
+        if self.one_row_each:
+            return block
+        if block.is_tokens:  # (a padded position's id is 0: its right factor is zero, so it adds nothing)
+            ids = self._gather(block.left.ids, block.conv_groups, fill=0)
+            left: Tensor | TokenRows = TokenRows(ids, block.left.num_rows)
+        else:
+            left = self._gather(block.left, block.conv_groups, fill=0)
+        return OuterGrad(left, self._gather(block.right, block.conv_groups, fill=0), block.conv_groups)
+
+    def _gather(self, rows: Tensor, groups: int, fill: int) -> Tensor:
+        """`[B * g, T, ...]` row-major by sample -> `[U * g, K * T, ...]`, each user's rows along T."""
+        per_sample = rows.view(self.batch, groups, *rows.shape[1:])
+        padding = per_sample.new_full((1, *per_sample.shape[1:]), fill)
+        gathered = torch.cat([per_sample, padding])[self.members]  # [U, K, g, T, ...]
+        gathered = gathered.transpose(1, 2)  # [U, g, K, T, ...]
+        u, g, k, t = gathered.shape[:4]
+        return gathered.reshape(u * g, k * t, *gathered.shape[4:])
+
+
+class UserLedger:
+    """The privacy unit of an engine's backwards (rows, or users: fixed at the first backward, the same on every
+    rank) and the users clipped since the last step on every rank. A user's gradient is clipped as a whole only if
+    all of the user's rows of a step are in ONE backward on ONE rank: a user seen twice in a step is refused."""
+
+    def __init__(self) -> None:
+        self.by_user: bool | None = None
+        self._seen: set[int] = set()
+
+    def check(
+        self, groups: UserGroups | None, dp_group: dist.ProcessGroup | None, device: torch.device
+    ) -> frozenset[int]:
+        """Check one backward's users (None: a backward by rows) against the unit and the step so far; returns the
+        users of every rank in it, for `clipped` once the backward has added them."""
+        if self.by_user is None:
+            self.by_user = self._agreed_unit(groups is not None, dp_group, device)
+        if self.by_user != (groups is not None):
+            raise FlashDPError(
+                "This engine clips by "
+                + ("user (engine.backward(loss, users=ids))" if self.by_user else "sample (engine.backward(loss))")
+                + " since its first backward; one run has one privacy unit, which its epsilon describes. Pass "
+                + ("users= on every backward." if self.by_user else "no users= (or build another engine).")
+            )
+        if groups is None:
+            return frozenset()
+        ranks = [groups.ids.tolist()]
+        if dp_group is not None:
+            ranks = [None] * dist.get_world_size(dp_group)
+            dist.all_gather_object(ranks, groups.ids.tolist(), group=dp_group)
+        repeated = sorted({u for ids in ranks for u in ids if u in self._seen} | _on_several(ranks))
+        if repeated:
+            raise _split_user_error(repeated, len(ranks))
+        return frozenset(u for ids in ranks for u in ids)
+
+    def clipped(self, users: frozenset[int]) -> None:
+        """A backward added these users' clipped gradients to the step."""
+        self._seen |= users
+
+    def step_taken(self) -> None:
+        self._seen.clear()
+
+    @staticmethod
+    def _agreed_unit(by_user: bool, dp_group: dist.ProcessGroup | None, device: torch.device) -> bool:
+        if dp_group is None:
+            return by_user
+        some, not_all = highest_on_any_rank([int(by_user), int(not by_user)], dp_group, device)
+        if some and not_all:
+            raise FlashDPError(
+                "engine.backward was given users= on some ranks and not on others: every rank must clip by the same "
+                "unit. Pass users= on every rank (an empty tensor on a rank without rows)."
+            )
+        return bool(some)
+
+
+def _on_several(ranks: list[list[int]]) -> set[int]:
+    counts: dict[int, int] = {}
+    for ids in ranks:
+        for u in ids:
+            counts[u] = counts.get(u, 0) + 1
+    return {u for u, n in counts.items() if n > 1}
+
+
+def _split_user_error(users: list[int], world: int) -> FlashDPError:
+    where = "several backward calls or ranks" if world > 1 else "several backward calls"
+    return FlashDPError(
+        f"User(s) {users[:10]} have rows in {where} of one step: a user's gradient is clipped as a whole only "
+        "when all of the user's rows of the step are in one backward on one rank. Nothing was added to .grad by "
+        "this backward (earlier ones of the step were). Keep each user's rows together: split micro-batches at user "
+        "boundaries (flashdp.micro_batches(batch, size, users=ids)) and shard users, not rows, across ranks "
+        "(engine.data_loader(dataset, users=...) does both)."
+    )
+
+
+def _checked_ids(users: object, batch: int) -> Tensor:
+    """`[B]` int64 ids on the CPU (one device sync for ids on a GPU)."""
+    if not isinstance(users, Tensor):
+        raise FlashDPError(
+            f"users= expects a 1-D integer tensor with the user id of each row of the loss. Received "
+            f"{type(users).__name__}; e.g. torch.as_tensor(batch['user_id'])."
+        )
+    if users.dim() != 1 or users.shape[0] != batch:
+        raise FlashDPError(
+            f"Wrong shape: users= must be 1-D with one id per row of the loss ({batch}). Received shape "
+            f"{tuple(users.shape)}."
+        )
+    if users.is_floating_point() or users.is_complex() or users.dtype == torch.bool:
+        raise FlashDPError(
+            f"users= must hold integer ids. Received dtype {users.dtype}: map user names to integers first."
+        )
+    return users.detach().to("cpu", torch.long)

@@ -1,0 +1,307 @@
+"""User-level clipping, `engine.backward(loss, users=ids)`, against an oracle that runs each example ALONE (float64),
+sums each user's per-example gradients and clips the sums (DESIGN.md, written out again here)."""
+
+from __future__ import annotations
+
+import copy
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import flashdp
+from flashdp import FlashDPError
+from flashdp._pipeline.users import UserGroups
+from tests.conftest import MODES, requires_triton
+from tests.oracle import assert_clipped_sums, clip, per_sample_grads
+from tests.strategies import clippings, norm_strategies, per_sample_loss
+
+
+class Tied(nn.Module):
+    """An embedding whose table is also the output head (a token block and a dense block of one parameter)."""
+
+    def __init__(self, vocab: int = 7, d: int = 4):
+        super().__init__()
+        self.embed, self.norm = nn.Embedding(vocab, d), nn.LayerNorm(d)
+
+    def forward(self, ids):
+        return self.norm(self.embed(ids)) @ self.embed.weight.T
+
+
+class TwiceAndGeneric(nn.Module):
+    """A Linear called twice (its calls' positions concatenated) and a parameter no dedicated rule knows (the
+    generic rule's per-sample gradients)."""
+
+    def __init__(self, d: int = 3):
+        super().__init__()
+        self.inner, self.scale = nn.Linear(d, d), nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return self.inner(torch.sin(self.inner(x)) * self.scale)
+
+
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru, self.out = nn.GRU(3, 4, batch_first=True), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(self.gru(x)[0])
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.out = nn.MultiheadAttention(4, 2, batch_first=True, kdim=3, vdim=3), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(self.attn(x @ torch.ones(3, 4, dtype=x.dtype), x, x, need_weights=False)[0])
+
+
+def _ids(batch: int) -> Tensor:
+    return torch.randint(0, 7, (batch, 3))
+
+
+def _seq(batch: int) -> Tensor:
+    return torch.randn(batch, 3, 3, dtype=torch.float64)
+
+
+def _image(batch: int) -> Tensor:
+    return torch.randn(batch, 4, 5, 5, dtype=torch.float64)
+
+
+#: name -> (model, batch -> input): every kind of contribution a rule gives (dense blocks of 3-D inputs, token
+#: blocks, a tied table's cross term, grouped-convolution blocks, materialised norm, recurrent and generic rows)
+MODELS = {
+    "transformer": (
+        lambda: nn.Sequential(nn.Embedding(7, 4), nn.LayerNorm(4), nn.Linear(4, 6), nn.GELU(), nn.RMSNorm(6)),
+        _ids,
+    ),
+    "tied": (Tied, _ids),
+    "conv": (
+        lambda: nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(36, 2)),
+        _image,
+    ),
+    "twice_and_generic": (TwiceAndGeneric, _seq),
+    "recurrent": (Recurrent, _seq),
+    "attention": (Attention, _seq),
+}
+
+
+def first_appearance(users: Tensor) -> list[int]:
+    return list(dict.fromkeys(users.tolist()))
+
+
+def per_user(per_sample: dict[str, Tensor], users: Tensor) -> dict[str, Tensor]:
+    """Each user's summed gradient `[U, ...]`, users in order of first appearance."""
+    order = first_appearance(users)
+    return {name: torch.stack([g[users == u].sum(0) for u in order]) for name, g in per_sample.items()}
+
+
+def expected_step(model: nn.Module, x: Tensor, users: Tensor, clipping: str, c: float):
+    """(each row's user norm `[B]`, the clipped sums) by the oracle, on a copy of the model."""
+    reference = copy.deepcopy(model)
+    grads = per_sample_grads(reference, lambda s: per_sample_loss(reference(x[s])), len(users))
+    # per_layer groups: a layer's own parameters (attention's output projection is its layer's)
+    layers = {name: name.replace(".out_proj", "").rpartition(".")[0] for name in grads}
+    norms, sums = clip(per_user(grads, users), clipping, c, layers)
+    position = {u: k for k, u in enumerate(first_appearance(users))}
+    return norms[[position[u] for u in users.tolist()]], sums
+
+
+def check_users(model, x, users, *, mode="bk", clipping="flat", c=0.5, rtol=1e-9, **engine_kwargs) -> None:
+    expected_norms, expected_sums = expected_step(model, x, users, clipping, c)
+    with flashdp.make_private(
+        model, mode=mode, max_grad_norm=c, noise_multiplier=0.0, clipping=clipping, **engine_kwargs
+    ) as engine:
+        norms = engine.backward(per_sample_loss(model(x)), users=users)
+    assert norms.dtype == torch.float32 and norms.shape == users.shape
+    torch.testing.assert_close(norms.double(), expected_norms, rtol=1e-6, atol=1e-6)
+    assert_clipped_sums(model, expected_sums, rtol)
+
+
+user_ids = st.lists(st.integers(0, 3), min_size=1, max_size=6)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@given(ids=user_ids, mode=st.sampled_from(["bk", "ghost"]), clipping=clippings, strategy=norm_strategies)
+def test_each_users_summed_gradient_is_clipped(name, ids, mode, clipping, strategy):
+    build, data = MODELS[name]
+    torch.manual_seed(len(ids))
+    model = build().double()
+    users = torch.tensor(ids)
+    check_users(model, data(len(ids)), users, mode=mode, clipping=clipping, norm_strategy=strategy)
+
+
+@requires_triton
+@given(ids=user_ids, strategy=norm_strategies)
+def test_flash_clips_users_exactly(ids, strategy):
+    build, data = MODELS["transformer"]
+    model = build().double()
+    check_users(model, data(len(ids)), torch.tensor(ids), mode="flash", norm_strategy=strategy)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_user_per_row_is_example_level_clipping(mode):
+    """Distinct ids in any order clip each row alone: the same `.grad` and norms as no users at all."""
+    build, data = MODELS["transformer"]
+    x, model = data(5), build().double()
+    twin = copy.deepcopy(model)
+    with flashdp.make_private(model, mode=mode, max_grad_norm=0.3, noise_multiplier=0.0) as engine:
+        by_user = engine.backward(per_sample_loss(model(x)), users=torch.tensor([40, 3, 17, 8, 1]))
+    with flashdp.make_private(twin, mode=mode, max_grad_norm=0.3, noise_multiplier=0.0) as engine:
+        by_row = engine.backward(per_sample_loss(twin(x)))
+    torch.testing.assert_close(by_user, by_row, rtol=1e-6, atol=0)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_removing_one_user_moves_the_sum_by_at_most_c(mode):
+    """The sensitivity of the clipped sum to one USER, with many rows, is C: the step's DP guarantee."""
+    build, data = MODELS["transformer"]
+    model, x = build().double(), data(8)
+    users = torch.tensor([0, 1, 0, 0, 2, 1, 0, 3])
+    c = 0.05  # well below every user's norm: each user's sum is clipped to C (times ||g_u|| / (||g_u|| + 1e-6))
+
+    def clipped_sum(keep: Tensor) -> Tensor:
+        model.zero_grad(set_to_none=True)
+        with flashdp.make_private(model, mode=mode, max_grad_norm=c, noise_multiplier=0.0) as engine:
+            engine.backward(per_sample_loss(model(x[keep])), users=users[keep])
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    everyone = clipped_sum(torch.ones(8, dtype=torch.bool))
+    for user in range(4):
+        moved = float((everyone - clipped_sum(users != user)).norm())
+        assert c * (1 - 1e-4) <= moved <= c * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_users_across_micro_batches_and_steps(mode):
+    """A step's users may come in several backward calls, each user's rows in one of them; after step() the same
+    users may come again. Each step's `.grad` before the noise (sigma 0) matches the oracle on the step's rows."""
+    build, data = MODELS["transformer"]
+    model = build().double()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = flashdp.make_private(
+        model, mode=mode, max_grad_norm=0.4, noise_multiplier=0.0, optimizer=optimizer, expected_batch_size=1
+    )
+    try:
+        for step in range(3):
+            x, users = data(6), torch.tensor([[4, 1, 4, 2, 2, 9], [0, 0, 0, 0, 0, 0], [5, 6, 5, 7, 6, 5]][step])
+            split = {0: 3, 1: 6, 2: 3}[step]  # rows [:split] then [split:]: users 4, 2 / 0 / 5 on one side each
+            if step == 2:
+                order = torch.tensor([0, 2, 5, 1, 4, 3])  # users 5 then 6, 7
+                x, users = x[order], users[order]
+            _, expected = expected_step(reference, x, users, "flat", 0.4)
+            engine.backward(per_sample_loss(model(x[:split])), users=users[:split])
+            if split < 6:
+                engine.backward(per_sample_loss(model(x[split:])), users=users[split:])
+            assert_clipped_sums(model, expected, 1e-9, where=f"step {step}: ")
+            engine.step()
+    finally:
+        engine.detach()
+
+
+def test_a_user_split_across_backward_calls_of_one_step_is_refused():
+    build, data = MODELS["transformer"]
+    model = build().double()
+    with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
+        engine.backward(per_sample_loss(model(data(3))), users=torch.tensor([1, 2, 1]))
+        before = [p.grad.clone() for p in model.parameters()]
+        with pytest.raises(FlashDPError, match=r"User\(s\) \[2\] have rows in several backward calls of one step"):
+            engine.backward(per_sample_loss(model(data(2))), users=torch.tensor([3, 2]))
+        for p, b in zip(model.parameters(), before, strict=True):
+            assert torch.equal(p.grad, b)  # nothing added by the refused backward
+        engine.backward(per_sample_loss(model(data(2))), users=torch.tensor([3, 4]))  # other users: fine
+
+
+def test_the_privacy_unit_is_fixed_at_the_first_backward():
+    build, data = MODELS["transformer"]
+    model = build().double()
+    with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
+        engine.backward(per_sample_loss(model(data(2))))
+        with pytest.raises(FlashDPError, match=r"clips by sample .* since its first backward"):
+            engine.backward(per_sample_loss(model(data(2))), users=torch.tensor([0, 1]))
+    model = build().double()
+    with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
+        engine.backward(per_sample_loss(model(data(2))), users=torch.tensor([0, 0]))
+        with pytest.raises(FlashDPError, match=r"clips by user .* Pass users= on every backward"):
+            engine.backward(per_sample_loss(model(data(2))))
+
+
+@pytest.mark.parametrize(
+    ("users", "match"),
+    [
+        ([0, 1, 2], "Received list"),
+        (torch.tensor([0, 1]), r"one id per row of the loss \(3\)\. Received shape \(2,\)"),
+        (torch.tensor([[0, 1, 2]]), r"Received shape \(1, 3\)"),
+        (torch.tensor([0.0, 1.0, 2.0]), "must hold integer ids. Received dtype torch.float32"),
+    ],
+)
+def test_bad_user_ids_are_refused(users, match):
+    build, data = MODELS["transformer"]
+    model = build().double()
+    with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
+        with pytest.raises(FlashDPError, match=match):
+            engine.backward(per_sample_loss(model(data(3))), users=users)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_the_self_check_compares_each_users_gradient(mode):
+    """A grouping that drops a user's later rows is caught by the self-check, which takes autograd's gradient of a
+    user's summed losses."""
+    build, data = MODELS["transformer"]
+    model = build().double()
+
+    def first_rows_only(groups, per_sample):
+        return per_sample[groups.members[:, 0]]
+
+    wrong = mock.patch.object(UserGroups, "sum_rows", first_rows_only)
+    with wrong, flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
+        with pytest.raises(FlashDPError, match=r"(?s)Self-check failed for user 0 \(rows \[0, 1, 2, 3\]\): .*'1.weight'"):
+            engine.backward(per_sample_loss(model(data(4))), users=torch.tensor([0, 0, 0, 0]))
+
+
+def test_a_loss_mixing_users_is_refused():
+    build, data = MODELS["transformer"]
+    model = build().double()
+    with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
+        out = per_sample_loss(model(data(4)))
+        with pytest.raises(FlashDPError, match="Self-check failed"):
+            engine.backward(out - out.mean(), users=torch.tensor([0, 1, 0, 1]))
+
+
+@given(sizes=st.lists(st.integers(1, 5), min_size=1, max_size=4), seed=st.integers(0, 2**16), mode=st.sampled_from(["bk", "ghost"]))
+def test_sequences_of_steps_with_new_shapes_and_users(sizes, seed, mode):
+    """One engine through steps whose batch size, sequence length and user assignment change: each step exact."""
+    gen = torch.Generator().manual_seed(seed)
+    model = MODELS["tied"][0]().double()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = flashdp.make_private(
+        model, mode=mode, max_grad_norm=0.3, noise_multiplier=0.0, optimizer=optimizer, expected_batch_size=1
+    )
+    try:
+        for step, size in enumerate(sizes):
+            x = torch.randint(0, 7, (size, 1 + step % 3), generator=gen)
+            users = torch.randint(0, 3, (size,), generator=gen)
+            expected_norms, expected_sums = expected_step(reference, x, users, "flat", 0.3)
+            norms = engine.backward(per_sample_loss(model(x)), users=users)
+            torch.testing.assert_close(norms.double(), expected_norms, rtol=1e-6, atol=1e-6)
+            assert_clipped_sums(model, expected_sums, 1e-9, where=f"step {step}: ")
+            engine.step()
+    finally:
+        engine.detach()
+
+
+def test_user_groups_number_users_by_first_appearance():
+    groups = UserGroups.of(torch.tensor([7, 3, 7, 5, 3, 7]), 6, torch.device("cpu"))
+    assert groups.ids.tolist() == [7, 3, 5]
+    assert groups.index.tolist() == [0, 1, 0, 2, 1, 0]
+    assert groups.members.tolist() == [[0, 2, 5], [1, 4, 6], [3, 6, 6]]
+    assert [groups.rows_of(u) for u in range(3)] == [[0, 2, 5], [1, 4], [3]]

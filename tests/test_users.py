@@ -16,6 +16,7 @@ import flashdp
 from flashdp import FlashDPError
 from flashdp._pipeline.users import UserGroups
 from tests.conftest import MODES, requires_triton
+from flashdp.audit import epsilon_lower_bound
 from tests.oracle import assert_clipped_sums, clip, per_sample_grads
 from tests.strategies import clippings, norm_strategies, per_sample_loss
 
@@ -305,3 +306,42 @@ def test_user_groups_number_users_by_first_appearance():
     assert groups.index.tolist() == [0, 1, 0, 2, 1, 0]
     assert groups.members.tolist() == [[0, 2, 5], [1, 4, 6], [3, 6, 6]]
     assert [groups.rows_of(u) for u in range(3)] == [[0, 2, 5], [1, 4], [3]]
+
+
+def _user_audit(per_row_clipping: bool):
+    """A one-run canary audit with USERS as the unit, through the real forward and backward: 1,000 canary users,
+    each with 8 records whose gradient is 10 C on the user's own coordinate; each is in the training set with
+    probability 1/2, and sampled at each step with probability q (`UserPoissonSampler`'s law)."""
+    canaries, rows, c = 1000, 8, 1.0
+    gen = torch.Generator().manual_seed(2)
+    signs = torch.randint(0, 2, (canaries,), generator=gen).double() * 2 - 1
+    included = torch.rand(canaries, generator=gen) < 0.5
+    model = nn.Linear(canaries, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    engine = flashdp.make_private(
+        model, max_grad_norm=c, noise_multiplier=AUDIT_SIGMA, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        expected_batch_size=round(AUDIT_Q * int(included.sum())), sample_rate=AUDIT_Q, seed=1,
+    )  # fmt: skip
+    for _ in range(AUDIT_STEPS):
+        users = (included & (torch.rand(canaries, generator=gen) < AUDIT_Q)).nonzero().flatten().repeat_interleave(rows)
+        x = torch.zeros(len(users), canaries)
+        x[torch.arange(len(users)), users] = 10 * c * signs[users].float()
+        ids = torch.arange(len(users)) if per_row_clipping else users  # the planted bug: each row its own unit
+        engine.backward(model(x).sum(1), users=ids)
+        engine.step()
+    scores = -model.weight.detach().double().flatten() * signs  # how far each coordinate descended its canary
+    order = scores.argsort(descending=True)
+    guessed_in, guessed_out = order[:100], order[-100:]
+    correct = int(included[guessed_in].sum()) + int((~included[guessed_out]).sum())
+    return epsilon_lower_bound(200, correct, canaries, 1e-5, 0.05), engine.epsilon(1e-5)
+
+
+AUDIT_STEPS, AUDIT_Q, AUDIT_SIGMA = 50, 0.5, 13.4  # epsilon about 1 at delta 1e-5
+
+
+def test_a_user_level_canary_audit_shows_no_violation_and_catches_per_row_clipping():
+    bound, claimed = _user_audit(per_row_clipping=False)
+    assert 0.9 < claimed < 1.0 and bound < claimed
+    with pytest.warns(flashdp.FlashDPWarning, match="Poisson"):  # (8 times the batches of users expected)
+        bound, claimed = _user_audit(per_row_clipping=True)  # each user enters 8 times: the claim does not hold
+    assert bound > 2 * claimed

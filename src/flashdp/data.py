@@ -67,6 +67,65 @@ class PoissonSampler(Sampler[list[int]]):
         return torch.rand(count, generator=self.generator, dtype=torch.float64, device="cpu")
 
 
+class UserPoissonSampler(Sampler[list[int]]):
+    """User-level Poisson sampling: each step includes every USER independently with probability `sample_rate`,
+    and of each included user up to `examples_per_user` of their examples (all if fewer, else that many drawn
+    uniformly without replacement). The accountant's sample rate is then the users' rate; a user's clipped
+    gradient has sensitivity C whatever k is (`engine.backward(loss, users=...)`).
+
+    With `world_size > 1` each rank samples only its own users (every `world_size`-th of the ids in sorted order):
+    a user's examples never sit on two ranks. Batches list a user's examples together.
+
+    Args:
+        users: the user id of each example of the dataset, `[N]`.
+        sample_rate: q in (0, 1], per user.
+        examples_per_user: k >= 1, the most examples one user contributes to a step.
+        steps, seed, secure_rng, rank, world_size: as `PoissonSampler`.
+    """
+
+    def __init__(
+        self,
+        users: Sequence[int] | torch.Tensor,
+        sample_rate: float,
+        examples_per_user: int,
+        *,
+        steps: int | None = None,
+        seed: int | None = None,
+        secure_rng: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if not (isinstance(examples_per_user, int) and examples_per_user >= 1):
+            raise FlashDPError(f"examples_per_user must be an integer >= 1. Received {examples_per_user!r}.")
+        ids = torch.as_tensor(users).to("cpu", torch.long).flatten()
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        mine = torch.arange(rank, len(unique), world_size)
+        self.examples = [(inverse == u).nonzero().flatten() for u in mine.tolist()]
+        self.users = unique[mine]
+        self.examples_per_user = examples_per_user
+        seed = None if seed is None else seed + rank  # (its own users: not a shard of a PoissonSampler's indices)
+        self._users_sampler = PoissonSampler(len(mine), sample_rate, steps=steps, seed=seed, secure_rng=secure_rng)
+
+    @property
+    def num_users(self) -> int:
+        """Users this rank samples from."""
+        return len(self.users)
+
+    def __len__(self) -> int:
+        return len(self._users_sampler)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for chosen in self._users_sampler:
+            yield [i for user in chosen for i in self._some_examples(self.examples[user])]
+
+    def _some_examples(self, examples: torch.Tensor) -> list[int]:
+        k = self.examples_per_user
+        if len(examples) <= k:
+            return examples.tolist()
+        keys = self._users_sampler._uniform(len(examples))  # (a uniform random subset: the k smallest keys)
+        return examples[keys.argsort()[:k].sort().values].tolist()
+
+
 class EmptyBatchCollate:
     """Wraps a collate function so that an empty batch gives the same structure with a leading dim of 0."""
 
@@ -80,15 +139,41 @@ class EmptyBatchCollate:
         return _map_tensors(self.collate_fn([self.dataset[0]]), lambda t: t[:0])
 
 
-def check_loader_rate(sample_rate: float | None, expected_batch_size: int | None, size: int) -> None:
+class _WithUsers(Dataset):
+    """`(example, user id)` pairs."""
+
+    def __init__(self, dataset: Dataset, users: torch.Tensor) -> None:
+        self.dataset, self.users = dataset, users
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        return self.dataset[index], int(self.users[index])
+
+
+class _UsersCollate:
+    """Collates `(example, user id)` pairs into `(batch, users [B])`."""
+
+    def __init__(self, collate_fn: Callable[[list], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, pairs: list) -> tuple[Any, torch.Tensor]:
+        return self.collate_fn([example for example, _ in pairs]), torch.tensor([u for _, u in pairs], dtype=torch.long)
+
+
+def check_loader_rate(
+    sample_rate: float | None, expected_batch_size: int | None, size: int, units: str | None = None
+) -> None:
     """An engine's loader samples at its `sample_rate`, which must agree with the `expected_batch_size` it averages
-    by over a dataset of `size` records."""
+    by over a dataset of `size` records (or `size` users: `units="users"`)."""
     if sample_rate is None:
         raise FlashDPError("engine.data_loader() samples at the engine's rate: make_private(..., sample_rate=q).")
     expected = sample_rate * size
     if expected_batch_size is not None and abs(expected - expected_batch_size) > max(1.0, 0.01 * expected_batch_size):
+        counted = "len(dataset)" if units is None else "the number of users"
         raise FlashDPError(
-            f"sample_rate * len(dataset) = {sample_rate} * {size} = {expected:.1f}, but the engine averages by "
+            f"sample_rate * {counted} = {sample_rate} * {size} = {expected:.1f}, but the engine averages by "
             f"expected_batch_size={expected_batch_size}. Give make_private expected_batch_size={round(expected)} "
             f"(or sample_rate={expected_batch_size / size:.6g})."
         )
@@ -104,21 +189,51 @@ def poisson_loader(
     secure_rng: bool = False,
     rank: int = 0,
     world_size: int = 1,
+    users: Sequence[int] | torch.Tensor | None = None,
+    examples_per_user: int | None = None,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A DataLoader of Poisson-sampled batches (see `PoissonSampler`); empty batches keep their structure.
 
     Give the engine the same rate: `make_private(..., sample_rate=sample_rate,
     expected_batch_size=round(sample_rate * len(dataset)))`.
+
+    With `users` (the user id of each example) and `examples_per_user` k, users are sampled instead
+    (`UserPoissonSampler`) and the loader yields `(batch, users)`, `users` `[B]` the ids to give
+    `engine.backward(loss, users=users)`. Then `expected_batch_size` is `sample_rate` times the number of users.
     """
     if len(dataset) == 0:
         raise FlashDPError("poisson_loader: the dataset is empty.")
-    sampler = PoissonSampler(
-        len(dataset), sample_rate, steps=steps, seed=seed, secure_rng=secure_rng, rank=rank, world_size=world_size
-    )
+    spread = {"steps": steps, "seed": seed, "secure_rng": secure_rng, "rank": rank, "world_size": world_size}
+    if users is None:
+        sampler: Sampler[list[int]] = PoissonSampler(len(dataset), sample_rate, **spread)
+    else:
+        users = _checked_users(users, len(dataset), examples_per_user)
+        sampler = UserPoissonSampler(users, sample_rate, examples_per_user, **spread)
+        dataset, collate_fn = _WithUsers(dataset, users), _UsersCollate(collate_fn)
     return DataLoader(
         dataset, batch_sampler=sampler, collate_fn=EmptyBatchCollate(dataset, collate_fn), **loader_kwargs
     )
+
+
+def count_users(users: Sequence[int] | torch.Tensor) -> int:
+    """The number of distinct users."""
+    return len(torch.unique(torch.as_tensor(users)))
+
+
+def _checked_users(users: Sequence[int] | torch.Tensor, size: int, examples_per_user: int | None) -> torch.Tensor:
+    ids = torch.as_tensor(users)
+    if ids.shape != (size,) or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise FlashDPError(
+            f"users must hold one integer user id per example of the dataset ({size}). Received "
+            f"{ids.dtype} of shape {tuple(ids.shape)}."
+        )
+    if examples_per_user is None:
+        raise FlashDPError(
+            "Sampling users needs examples_per_user=k, the most examples one user contributes to a step (the "
+            "sensitivity is C whatever k is; a larger k uses more of each sampled user's data per step)."
+        )
+    return ids.to("cpu", torch.long)
 
 
 def micro_batches(

@@ -9,7 +9,7 @@ committed when a backward succeeds. Measuring is `measurement.measure`, the clip
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from flashdp._pipeline.profiling import PhaseTimer, profiling_requested
 from flashdp._pipeline.recorder import Forward
 from flashdp._pipeline.settings import DEFAULT_SELF_CHECK_INTERVAL, EngineSettings, Mode, NonFinite
 from flashdp._pipeline.users import UserGroups, UserLedger
-from flashdp.data import check_loader_rate, poisson_loader
+from flashdp.data import check_loader_rate, count_users, poisson_loader
 from flashdp.distributed import adapter_for
 from flashdp.distributed.checks import check_norm_group, check_same_samples
 from flashdp.errors import FlashDPError
@@ -281,6 +281,8 @@ class DPEngine:
         *,
         collate_fn: Callable[[list], Any] = default_collate,
         steps: int | None = None,
+        users: Sequence[int] | Tensor | None = None,
+        examples_per_user: int | None = None,
         **loader_kwargs: Any,
     ) -> DataLoader:
         """A DataLoader of Poisson-sampled batches of `dataset` at the engine's `sample_rate`: the sampling that
@@ -288,8 +290,14 @@ class DPEngine:
         from the engine's `seed` when it has one, and from OS entropy otherwise. Under DDP or FSDP each rank samples
         its own shard of `dataset` (give every rank the whole dataset). Batch sizes vary and may be 0 (see
         `backward_empty`). steps: batches per pass over the loader, default `ceil(1 / sample_rate)` (an epoch in
-        expectation)."""
-        check_loader_rate(self.sample_rate, self.expected_batch_size, len(dataset))
+        expectation).
+
+        users, examples_per_user: user-level privacy. `users` `[N]` the user id of each example; each step samples
+        USERS at the engine's rate and up to `examples_per_user` examples of each, a user's examples on one rank;
+        the loader yields `(batch, users)` for `engine.backward(loss, users=users)`. The engine's
+        `expected_batch_size` is then `sample_rate` times the number of users (docs/guides/user_level.md)."""
+        units = len(dataset) if users is None else count_users(users)
+        check_loader_rate(self.sample_rate, self.expected_batch_size, units, "users" if users is not None else None)
         group = self._adapter.dp_group
         return poisson_loader(
             dataset,
@@ -300,6 +308,8 @@ class DPEngine:
             secure_rng=self.settings.secure_rng,
             rank=dist.get_rank(group) if group is not None else 0,
             world_size=self._adapter.world_size,
+            users=users,
+            examples_per_user=examples_per_user,
             **loader_kwargs,
         )
 

@@ -153,13 +153,22 @@ class _WithUsers(Dataset):
 
 
 class _UsersCollate:
-    """Collates `(example, user id)` pairs into `(batch, users [B])`."""
+    """Collates `(example, user id)` pairs into `(batch, users [B])`, or with `key` into the (mapping) batch with
+    `batch[key] = users`."""
 
-    def __init__(self, collate_fn: Callable[[list], Any]) -> None:
-        self.collate_fn = collate_fn
+    def __init__(self, collate_fn: Callable[[list], Any], key: str | None) -> None:
+        self.collate_fn, self.key = collate_fn, key
 
-    def __call__(self, pairs: list) -> tuple[Any, torch.Tensor]:
-        return self.collate_fn([example for example, _ in pairs]), torch.tensor([u for _, u in pairs], dtype=torch.long)
+    def __call__(self, pairs: list) -> Any:
+        batch = self.collate_fn([example for example, _ in pairs])
+        users = torch.tensor([u for _, u in pairs], dtype=torch.long)
+        if self.key is None:
+            return batch, users
+        if not isinstance(batch, Mapping):
+            raise FlashDPError(f"users_key={self.key!r} puts the user ids into a mapping batch; the collate function "
+                               f"returned {type(batch).__name__}.")  # fmt: skip
+        batch[self.key] = users
+        return batch
 
 
 def check_loader_rate(
@@ -191,6 +200,7 @@ def poisson_loader(
     world_size: int = 1,
     users: Sequence[int] | torch.Tensor | None = None,
     examples_per_user: int | None = None,
+    users_key: str | None = None,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A DataLoader of Poisson-sampled batches (see `PoissonSampler`); empty batches keep their structure.
@@ -200,7 +210,8 @@ def poisson_loader(
 
     With `users` (the user id of each example) and `examples_per_user` k, users are sampled instead
     (`UserPoissonSampler`) and the loader yields `(batch, users)`, `users` `[B]` the ids to give
-    `engine.backward(loss, users=users)`. Then `expected_batch_size` is `sample_rate` times the number of users.
+    `engine.backward(loss, users=users)` (with `users_key`, mapping batches that hold them as `batch[users_key]`).
+    Then `expected_batch_size` is `sample_rate` times the number of users.
     """
     if len(dataset) == 0:
         raise FlashDPError("poisson_loader: the dataset is empty.")
@@ -210,7 +221,7 @@ def poisson_loader(
     else:
         users = _checked_users(users, len(dataset), examples_per_user)
         sampler = UserPoissonSampler(users, sample_rate, examples_per_user, **spread)
-        dataset, collate_fn = _WithUsers(dataset, users), _UsersCollate(collate_fn)
+        dataset, collate_fn = _WithUsers(dataset, users), _UsersCollate(collate_fn, users_key)
     return DataLoader(
         dataset, batch_sampler=sampler, collate_fn=EmptyBatchCollate(dataset, collate_fn), **loader_kwargs
     )

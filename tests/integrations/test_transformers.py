@@ -75,6 +75,42 @@ def test_dptrainer_takes_the_same_steps_as_flashdps_own_loop(tmp_path):
     assert len(logged) == 4 and logged == sorted(logged) and logged[-1] == pytest.approx(engine.epsilon(1e-5))
 
 
+def test_user_level_dptrainer_takes_the_same_steps_as_flashdps_own_loop(tmp_path):
+    """user_column: users sampled (8 users of 3 records each), up to 2 records each, each user's records clipped
+    together, in micro-batches that keep users whole; the user column never reaches the collator."""
+    model, data = gpt2(), [{**record, "user": i % 8} for i, record in enumerate(lm_records())]
+    own = copy.deepcopy(model)
+    privacy = PrivacyArguments(expected_batch_size=3, noise_multiplier=0.8, seed=7, user_column="user",
+                               examples_per_user=2)  # fmt: skip
+    trainer = DPTrainer(model=model, args=training_args(tmp_path), train_dataset=data, privacy=privacy)
+    trainer.train()
+
+    optimizer = torch.optim.SGD(own.parameters(), lr=0.1)
+    engine = flashdp.make_private(own, max_grad_norm=1.0, noise_multiplier=0.8, optimizer=optimizer,
+                                  expected_batch_size=3, sample_rate=3 / 8, seed=7)  # fmt: skip
+    records = [{k: v for k, v in r.items() if k != "user"} for r in data]
+    users = [r["user"] for r in data]
+    batches = engine.data_loader(records, collate_fn=trainer.data_collator, users=users, examples_per_user=2, steps=4)
+    sizes = []
+    for step, (batch, ids) in enumerate(batches):
+        if step == 4:
+            break
+        sizes.append(len(ids))
+        for micro, who in flashdp.micro_batches((batch, ids), 3, users=ids):
+            if len(who) == 0:
+                engine.backward_empty()
+                continue
+            logits = own(input_ids=micro["input_ids"]).logits
+            engine.backward(flashdp.per_sample_lm_loss(logits, micro["labels"]), users=who)
+        engine.step()
+    assert max(sizes) > 3  # (some micro-batch held several users)
+    for (name, p), q in zip(model.named_parameters(), own.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=name)
+    assert trainer.engine.epsilon(1e-5) == flashdp.get_epsilon(
+        noise_multiplier=0.8, sample_rate=3 / 8, steps=4, delta=1e-5
+    )
+
+
 def test_classification_losses_are_per_sample_cross_entropy(tmp_path):
     config = BertConfig(
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
@@ -132,6 +168,9 @@ def test_a_second_train_call_continues_with_the_same_engine(tmp_path):
         ({"max_grad_norm": 0.5}, {"max_grad_norm": 2.0}, "Two clipping bounds"),
         ({"max_grad_norm": 0.0}, {}, "clipping bound"),
         ({}, {"expected_batch_size": 1000}, "exceeds"),
+        ({}, {"user_column": "input_ids"}, "needs both PrivacyArguments.user_column and examples_per_user"),
+        ({}, {"user_column": "input_ids", "examples_per_user": 2}, r"one integer user id per example; example 0 has"),
+        ({}, {"user_column": "user", "examples_per_user": 2}, "the training examples have no such column"),
     ],
 )
 def test_settings_dp_cannot_honour_are_refused(tmp_path, overrides, privacy, message):

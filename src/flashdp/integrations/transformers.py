@@ -29,6 +29,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 import flashdp
+from flashdp.data import count_users
 from flashdp.engine import DPEngine
 from flashdp.errors import FlashDPError
 
@@ -53,6 +54,11 @@ class PrivacyArguments:
         clipping: as in `flashdp.make_private`.
         seed: as in `flashdp.make_private`; it also seeds the sampling.
         secure_rng: noise and sampling from the OS CSPRNG.
+        user_column: user-level privacy: the column (or key of each example) holding its integer user id. Each step
+            then samples USERS, `expected_batch_size` of them in expectation, with up to `examples_per_user` examples
+            of each; a user's examples are clipped together (`engine.backward(loss, users=...)`), and epsilon is the
+            users' (docs/guides/user_level.md).
+        examples_per_user: k, with user_column.
     """
 
     expected_batch_size: int
@@ -65,6 +71,8 @@ class PrivacyArguments:
     clipping: str = "flat"
     seed: int | None = None
     secure_rng: bool = False
+    user_column: str | None = None
+    examples_per_user: int | None = None
 
 
 class DPTrainer(Trainer):
@@ -86,6 +94,13 @@ class DPTrainer(Trainer):
         self.privacy = privacy
         self.engine: DPEngine | None = None
         self._resume_dir: str | None = None
+        if (privacy.user_column is None) != (privacy.examples_per_user is None):
+            raise FlashDPError(
+                "User-level privacy needs both PrivacyArguments.user_column and examples_per_user (the most examples "
+                f"of one user in a step). Received user_column={privacy.user_column!r}, examples_per_user="
+                f"{privacy.examples_per_user!r}."
+            )
+        self._users = None if privacy.user_column is None else _user_ids(self.train_dataset, privacy.user_column)
         self._check_arguments()
 
     def _check_arguments(self) -> None:
@@ -121,30 +136,40 @@ class DPTrainer(Trainer):
                 "DP-SGD needs a per-sample clipping bound: TrainingArguments.max_grad_norm (or "
                 "PrivacyArguments.max_grad_norm) must be positive."
             )
-        if self.privacy.expected_batch_size > len(self.train_dataset):
-            raise FlashDPError(
-                f"expected_batch_size={self.privacy.expected_batch_size} exceeds the {len(self.train_dataset)} "
-                "training samples."
-            )
+        if self.privacy.expected_batch_size > self._units:
+            units = "training samples" if self._users is None else "users"
+            raise FlashDPError(f"expected_batch_size={self.privacy.expected_batch_size} exceeds the {self._units} {units}.")
+
+    @property
+    def _units(self) -> int:
+        """What is sampled: the training samples, or the users."""
+        return len(self.train_dataset) if self._users is None else count_users(self._users)
 
     @property
     def sample_rate(self) -> float:
-        return self.privacy.expected_batch_size / len(self.train_dataset)
+        return self.privacy.expected_batch_size / self._units
 
     # -- data ---------------------------------------------------------------------------------------------
 
     def get_train_dataloader(self) -> DataLoader:
-        """Poisson-sampled logical batches (sizes vary, empty ones included), one per optimizer step."""
+        """Poisson-sampled logical batches (sizes vary, empty ones included), one per optimizer step; with
+        user_column, batches of sampled users, their ids in `batch[user_column]`."""
+        dataset, column = self.train_dataset, self.privacy.user_column
+        if _is_datasets_dataset(dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        elif column is not None:
+            dataset = _WithoutColumn(dataset, column)
         return flashdp.poisson_loader(
-            self._remove_unused_columns(self.train_dataset, description="training")
-            if _is_datasets_dataset(self.train_dataset)
-            else self.train_dataset,
+            dataset,
             self.sample_rate,
             collate_fn=self.data_collator,
             seed=self.privacy.seed,
             secure_rng=self.privacy.secure_rng,
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
+            users=self._users,
+            examples_per_user=self.privacy.examples_per_user,
+            users_key=column,
         )
 
     # -- the engine ---------------------------------------------------------------------------------------
@@ -200,14 +225,17 @@ class DPTrainer(Trainer):
         model.train()
         inputs = self._prepare_inputs(inputs)
         total, count = torch.zeros((), device=self.args.device), 0
-        for micro in flashdp.micro_batches(inputs, self.args.per_device_train_batch_size):
+        column = self.privacy.user_column
+        users = None if column is None else inputs[column]
+        for micro in flashdp.micro_batches(inputs, self.args.per_device_train_batch_size, users=users):
             size = _batch_size(micro)
             if size == 0:
                 self.engine.backward_empty()
                 continue
+            micro_users = None if column is None else micro.pop(column)
             with self.compute_loss_context_manager():
                 loss = self.per_sample_loss(model, micro)
-            self.engine.backward(loss)
+            self.engine.backward(loss, users=micro_users)
             total, count = total + loss.detach().sum(), count + size
         return total / max(count, 1)
 
@@ -272,6 +300,48 @@ class _EngineStep:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)
+
+
+class _WithoutColumn(torch.utils.data.Dataset):
+    """A dataset of mapping examples without one key (the user ids, which the collator should not see)."""
+
+    def __init__(self, dataset: Any, column: str) -> None:
+        self.dataset, self.column = dataset, column
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        return {k: v for k, v in self.dataset[index].items() if k != self.column}
+
+
+def _user_ids(dataset: Any, column: str) -> Tensor:
+    """`[N]` the user id of each example, from a `datasets.Dataset` column or each mapping example's key."""
+    if dataset is None or not hasattr(dataset, "__len__"):
+        raise FlashDPError("DPTrainer needs a train_dataset with a length (Poisson sampling draws from it).")
+    first = dataset[0] if len(dataset) else {}
+    if not (isinstance(first, dict) and column in first):
+        raise FlashDPError(
+            f"PrivacyArguments.user_column={column!r}: the training examples have no such column (the first has "
+            f"{sorted(first) if isinstance(first, dict) else type(first).__name__})."
+        )
+    if _is_datasets_dataset(dataset):  # (a column read at once, not row by row)
+        ids = list(dataset[column])
+    else:
+        ids = [dataset[i][column] for i in range(len(dataset))]
+    bad = next((i for i, u in enumerate(ids) if not _is_integer(u)), None)
+    if bad is not None:
+        raise FlashDPError(
+            f"PrivacyArguments.user_column={column!r} must hold one integer user id per example; example {bad} has "
+            f"{type(ids[bad]).__name__} {getattr(ids[bad], 'shape', ids[bad])!s:.60}."
+        )
+    return torch.tensor([int(u) for u in ids], dtype=torch.long)
+
+
+def _is_integer(value: object) -> bool:
+    if isinstance(value, Tensor):
+        return value.dim() == 0 and not value.is_floating_point()
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _load_engine_state(folder: str) -> dict:

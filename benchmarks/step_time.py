@@ -1,6 +1,10 @@
 """Step time of flashdp (bk, ghost) relative to non-private training, side by side in one run.
 
     python benchmarks/step_time.py --seq 256 --batch 8
+    python benchmarks/step_time.py --modes non-private,bk,bk-users,ghost,ghost-users --rows-per-user 4
+
+Modes: non-private, bk, ghost, flash; "<mode>-users" clips by user (`engine.backward(loss, users=ids)`), each user
+owning `--rows-per-user` consecutive rows of the batch.
 
 A Llama-like decoder built from a transformers config (d=256, 4 layers, vocab 4096, untied head), SGD. The modes
 are timed in interleaved rounds (non-private, bk, ghost, non-private, ...) so that drift on a shared machine hits
@@ -39,7 +43,7 @@ def per_sample_lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(1)
 
 
-def make_step(mode: str, model: nn.Module, batch: int):
+def make_step(mode: str, model: nn.Module, batch: int, rows_per_user: int = 1):
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     if mode == "non-private":
 
@@ -49,9 +53,10 @@ def make_step(mode: str, model: nn.Module, batch: int):
             optimizer.zero_grad()
 
         return step
+    users = torch.arange(batch) // rows_per_user if mode.endswith("-users") else None
     engine = flashdp.make_private(
         model,
-        mode=mode,
+        mode=mode.removesuffix("-users"),
         max_grad_norm=1.0,
         noise_multiplier=1.0,
         optimizer=optimizer,
@@ -60,7 +65,7 @@ def make_step(mode: str, model: nn.Module, batch: int):
     )
 
     def step(ids):
-        engine.backward(per_sample_lm_loss(model, ids))
+        engine.backward(per_sample_lm_loss(model, ids), users=users)
         engine.step()
 
     step.engine = engine
@@ -76,11 +81,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--modes", default="non-private,bk,ghost")
+    parser.add_argument("--rows-per-user", type=int, default=4, help="of the '-users' modes")
     args = parser.parse_args()
 
     modes = args.modes.split(",")
     models = {m: build_model(args.vocab, args.d, args.layers) for m in modes}
-    steps = {m: make_step(m, models[m], args.batch) for m in modes}
+    steps = {m: make_step(m, models[m], args.batch, args.rows_per_user) for m in modes}
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     times: dict[str, list[float]] = {m: [] for m in modes}
     for m in modes:  # warm-up
@@ -93,7 +99,7 @@ def main() -> None:
     base = statistics.median(times[modes[0]])
     print(
         f"T={args.seq} B={args.batch} d={args.d} layers={args.layers} vocab={args.vocab} "
-        f"threads={torch.get_num_threads()}"
+        f"threads={torch.get_num_threads()} rows per user={args.rows_per_user}"
     )
     for m in modes:
         median = statistics.median(times[m])

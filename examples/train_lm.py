@@ -76,8 +76,9 @@ class Corpus:
     chars: list[str]
 
 
-def load_corpus(seq_len: int) -> Corpus:
-    """Genesis as public text, Exodus as private records; one character vocabulary over both."""
+def encode_verses(seq_len: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Every verse of the file in order, as character ids `[N, T]` (BOS first, PAD after) and its attention mask
+    `[N, T]`, with the characters (id `i + 2` is `chars[i]`)."""
     with gzip.open(DATA, "rt") as f:
         verses = f.read().splitlines()
     chars = sorted(set("".join(verses)))
@@ -86,8 +87,13 @@ def load_corpus(seq_len: int) -> Corpus:
     for row, verse in enumerate(verses):
         encoded = [BOS, *(index[c] for c in verse[: seq_len - 1])]
         ids[row, : len(encoded)] = torch.tensor(encoded)
-    mask = (ids != PAD).long()
-    private = GENESIS_VERSES + torch.randperm(len(verses) - GENESIS_VERSES, generator=torch.Generator().manual_seed(0))
+    return ids, (ids != PAD).long(), chars
+
+
+def load_corpus(seq_len: int) -> Corpus:
+    """Genesis as public text, Exodus as private records; one character vocabulary over both."""
+    ids, mask, chars = encode_verses(seq_len)
+    private = GENESIS_VERSES + torch.randperm(len(ids) - GENESIS_VERSES, generator=torch.Generator().manual_seed(0))
     n_val = len(private) // 10
     val, train = private[:n_val], private[n_val:]
     public = torch.arange(GENESIS_VERSES)

@@ -76,3 +76,17 @@ def test_hf_trainer_example_trains_and_resumes(tmp_path):
     resumed = example.main([*tiny, "--resume"])  # from checkpoint-1
     assert resumed.engine.steps == 2, "the accounting continues from the checkpoint of step 1"
     assert resumed.engine.epsilon(1e-5) == trainer.engine.epsilon(1e-5)
+
+
+def test_user_level_lm_runs():
+    demo = _load("user_level_lm")
+    summary = demo.main(
+        ["--steps", "3", "--pretrain-steps", "2", "--seq-len", "16", "--d-model", "16", "--layers", "1",
+         "--target-epsilon", "20"]
+    )  # fmt: skip
+    assert 0 < summary["epsilon"] <= 20
+    assert summary["val_loss"].keys() == {
+        "public pre-training only", "DP fine-tune, one user protected", "DP fine-tune, one verse protected",
+    }  # fmt: skip
+    assert all(math.isfinite(loss) for loss in summary["val_loss"].values())
+    assert summary["sigma per user"] > 0 and summary["sigma per verse"] > 0

@@ -4,7 +4,7 @@ Exact per-sample gradient clipping for any nn.Module (book-keeping, ghost and fl
 accounting, under DDP, FSDP2 and FSDP1.
 """
 
-from flashdp.data import PoissonSampler, micro_batches, poisson_loader
+from flashdp.data import PoissonSampler, UserPoissonSampler, micro_batches, poisson_loader
 from flashdp.engine import DPEngine, make_private
 from flashdp.errors import FlashDPError, FlashDPWarning
 from flashdp.fixer import fix_model
@@ -21,6 +21,7 @@ __all__ = [
     "FlashDPWarning",
     "PerSampleNorms",
     "PoissonSampler",
+    "UserPoissonSampler",
     "__version__",
     "fix_model",
     "get_epsilon",

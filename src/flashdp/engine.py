@@ -159,7 +159,7 @@ class DPEngine:
         users: `[B]` integer ids, for user-level privacy: the clipped unit is then a user's gradient
             `g_u = sum_{i in u} g_i`, `.grad += sum_u c_u g_u`, and row i of the result is `||g_u||` of its user.
             All of a user's rows of one step must be in one backward on one rank (else refused); an engine clips
-            by user from its first backward on, or never (docs/guides/user_level.md).
+            by user from its first backward on, or never (docs/guides/user-level.md).
         """
         loss, forward = self._take_forward(loss, check_provenance=True)
         self._attachment.grad_writes.check_no_gradient_hooks()
@@ -295,7 +295,7 @@ class DPEngine:
         users, examples_per_user: user-level privacy. `users` `[N]` the user id of each example; each step samples
         USERS at the engine's rate and up to `examples_per_user` examples of each, a user's examples on one rank;
         the loader yields `(batch, users)` for `engine.backward(loss, users=users)`. The engine's
-        `expected_batch_size` is then `sample_rate` times the number of users (docs/guides/user_level.md)."""
+        `expected_batch_size` is then `sample_rate` times the number of users (docs/guides/user-level.md)."""
         units = len(dataset) if users is None else count_users(users)
         check_loader_rate(self.sample_rate, self.expected_batch_size, units, "users" if users is not None else None)
         group = self._adapter.dp_group

@@ -57,7 +57,7 @@ class PrivacyArguments:
         user_column: user-level privacy: the column (or key of each example) holding its integer user id. Each step
             then samples USERS, `expected_batch_size` of them in expectation, with up to `examples_per_user` examples
             of each; a user's examples are clipped together (`engine.backward(loss, users=...)`), and epsilon is the
-            users' (docs/guides/user_level.md).
+            users' (docs/guides/user-level.md).
         examples_per_user: k, with user_column.
     """
 

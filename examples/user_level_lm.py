@@ -34,7 +34,7 @@ from tqdm import tqdm
 import flashdp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (the data and model of examples/train_lm.py)
-import train_lm  # noqa: E402
+import train_lm
 
 
 def parse_args(argv: list[str] | None = None) -> Namespace:
@@ -87,7 +87,7 @@ def fine_tune(model, records: TensorDataset, users: torch.Tensor | None, args: N
     model.train()
     for (ids, mask), who in tqdm(loader, desc=label, unit="step", total=args.steps):
         pieces = flashdp.micro_batches(((ids, mask), who), args.micro_batch, users=who) if who is not None else (
-            ((part, None) for part in flashdp.micro_batches((ids, mask), args.micro_batch)))  # fmt: skip
+            (part, None) for part in flashdp.micro_batches((ids, mask), args.micro_batch))  # fmt: skip
         for (micro_ids, micro_mask), micro_users in pieces:
             if len(micro_ids) == 0:  # an empty Poisson batch: HF models cannot run a forward on zero rows
                 engine.backward_empty()

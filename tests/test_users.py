@@ -15,8 +15,8 @@ from torch import Tensor, nn
 import flashdp
 from flashdp import FlashDPError
 from flashdp._pipeline.users import UserGroups
-from tests.conftest import MODES, requires_triton
 from flashdp.audit import epsilon_lower_bound
+from tests.conftest import MODES, requires_triton
 from tests.oracle import assert_clipped_sums, clip, per_sample_grads
 from tests.strategies import clippings, norm_strategies, per_sample_loss
 
@@ -247,9 +247,9 @@ def test_the_privacy_unit_is_fixed_at_the_first_backward():
 def test_bad_user_ids_are_refused(users, match):
     build, data = MODELS["transformer"]
     model = build().double()
-    with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
-        with pytest.raises(FlashDPError, match=match):
-            engine.backward(per_sample_loss(model(data(3))), users=users)
+    engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0)
+    with engine, pytest.raises(FlashDPError, match=match):
+        engine.backward(per_sample_loss(model(data(3))), users=users)
 
 
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
@@ -263,9 +263,11 @@ def test_the_self_check_compares_each_users_gradient(mode):
         return per_sample[groups.members[:, 0]]
 
     wrong = mock.patch.object(UserGroups, "sum_rows", first_rows_only)
-    with wrong, flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
-        with pytest.raises(FlashDPError, match=r"(?s)Self-check failed for user 0 \(rows \[0, 1, 2, 3\]\): .*'1.weight'"):
-            engine.backward(per_sample_loss(model(data(4))), users=torch.tensor([0, 0, 0, 0]))
+    refused = pytest.raises(
+        FlashDPError, match=r"(?s)Self-check failed for user 0 \(rows \[0, 1, 2, 3\]\): .*'1.weight'"
+    )
+    with wrong, flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0) as engine, refused:
+        engine.backward(per_sample_loss(model(data(4))), users=torch.tensor([0, 0, 0, 0]))
 
 
 def test_a_loss_mixing_users_is_refused():
@@ -277,7 +279,11 @@ def test_a_loss_mixing_users_is_refused():
             engine.backward(out - out.mean(), users=torch.tensor([0, 1, 0, 1]))
 
 
-@given(sizes=st.lists(st.integers(1, 5), min_size=1, max_size=4), seed=st.integers(0, 2**16), mode=st.sampled_from(["bk", "ghost"]))
+@given(
+    sizes=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+    mode=st.sampled_from(["bk", "ghost"]),
+)
 def test_sequences_of_steps_with_new_shapes_and_users(sizes, seed, mode):
     """One engine through steps whose batch size, sequence length and user assignment change: each step exact."""
     gen = torch.Generator().manual_seed(seed)

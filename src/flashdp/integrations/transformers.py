@@ -138,7 +138,9 @@ class DPTrainer(Trainer):
             )
         if self.privacy.expected_batch_size > self._units:
             units = "training samples" if self._users is None else "users"
-            raise FlashDPError(f"expected_batch_size={self.privacy.expected_batch_size} exceeds the {self._units} {units}.")
+            raise FlashDPError(
+                f"expected_batch_size={self.privacy.expected_batch_size} exceeds the {self._units} {units}."
+            )
 
     @property
     def _units(self) -> int:
@@ -325,10 +327,8 @@ def _user_ids(dataset: Any, column: str) -> Tensor:
             f"PrivacyArguments.user_column={column!r}: the training examples have no such column (the first has "
             f"{sorted(first) if isinstance(first, dict) else type(first).__name__})."
         )
-    if _is_datasets_dataset(dataset):  # (a column read at once, not row by row)
-        ids = list(dataset[column])
-    else:
-        ids = [dataset[i][column] for i in range(len(dataset))]
+    by_column = _is_datasets_dataset(dataset)  # (a column read at once, not row by row)
+    ids = list(dataset[column]) if by_column else [dataset[i][column] for i in range(len(dataset))]
     bad = next((i for i, u in enumerate(ids) if not _is_integer(u)), None)
     if bad is not None:
         raise FlashDPError(

@@ -351,3 +351,22 @@ def test_a_user_level_canary_audit_shows_no_violation_and_catches_per_row_clippi
     with pytest.warns(flashdp.FlashDPWarning, match="Poisson"):  # (8 times the batches of users expected)
         bound, claimed = _user_audit(per_row_clipping=True)  # each user enters 8 times: the claim does not hold
     assert bound > 2 * claimed
+
+
+@given(
+    ids=st.lists(st.integers(0, 4), min_size=1, max_size=8),
+    size=st.integers(1, 8),
+    mode=st.sampled_from(["bk", "ghost"]),
+)
+def test_micro_batches_that_keep_users_whole_add_up_to_the_whole_batch(ids, size, mode):
+    """Any assignment split by `micro_batches(..., users=)` into backward calls: `.grad` is the oracle's on the
+    whole batch (or the split is refused when a user has more rows than a micro-batch)."""
+    users = torch.tensor(ids)
+    size = max(size, int(torch.bincount(users).max()))
+    model = MODELS["twice_and_generic"][0]().double()
+    x = _seq(len(ids))
+    _, expected = expected_step(model, x, users, "flat", 0.5)
+    with flashdp.make_private(model, mode=mode, max_grad_norm=0.5, noise_multiplier=0.0) as engine:
+        for part, who in flashdp.micro_batches((x, users), size, users=users):
+            engine.backward(per_sample_loss(model(part)), users=who)
+    assert_clipped_sums(model, expected, 1e-9)

@@ -1,6 +1,6 @@
 """User-level DP fine-tuning of a small language model, where each user contributes many records.
 
-    python examples/user_level_lm.py                 # about a minute on 2 CPU cores
+    python examples/user_level_lm.py                 # about 20 seconds on 2 CPU cores
     python examples/user_level_lm.py --examples-per-user 8 --target-epsilon 4
 
 The private records of `examples/train_lm.py` (the verses of Exodus) are given authors: each run of

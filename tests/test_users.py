@@ -102,10 +102,16 @@ def per_user(per_sample: dict[str, Tensor], users: Tensor) -> dict[str, Tensor]:
     return {name: torch.stack([g[users == u].sum(0) for u in order]) for name, g in per_sample.items()}
 
 
-def expected_step(model: nn.Module, x: Tensor, users: Tensor, clipping: str, c: float):
-    """(each row's user norm `[B]`, the clipped sums) by the oracle, on a copy of the model."""
+def expected_step(model: nn.Module, x: Tensor, users: Tensor, clipping: str, c: float, signs: Tensor | None = None):
+    """(each row's user norm `[B]`, the clipped sums) by the oracle, on a copy of the model (row i's loss times
+    `signs[i]`)."""
     reference = copy.deepcopy(model)
-    grads = per_sample_grads(reference, lambda s: per_sample_loss(reference(x[s])), len(users))
+    weights = torch.ones(len(users), dtype=torch.float64) if signs is None else signs
+
+    def loss_of(s: slice) -> Tensor:
+        return per_sample_loss(reference(x[s])) * weights[s]
+
+    grads = per_sample_grads(reference, loss_of, len(users))
     # per_layer groups: a layer's own parameters (attention's output projection is its layer's)
     layers = {name: name.replace(".out_proj", "").rpartition(".")[0] for name in grads}
     norms, sums = clip(per_user(grads, users), clipping, c, layers)
@@ -370,3 +376,25 @@ def test_micro_batches_that_keep_users_whole_add_up_to_the_whole_batch(ids, size
         for part, who in flashdp.micro_batches((x, users), size, users=users):
             engine.backward(per_sample_loss(model(part)), users=who)
     assert_clipped_sums(model, expected, 1e-9)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_user_whose_rows_cancel_gets_a_zero_norm_not_nan(mode, dtype):
+    """The same example twice with opposite losses: the user's gradient is 0. Ghost norms are sums of inner
+    products, which round a little below 0 there; the norm is 0 (not NaN in every .grad), and the self-check does
+    not mistake both sides' rounding of 0 for a disagreement."""
+    model = TwiceAndGeneric().to(dtype)
+    x = _seq(3).to(dtype)
+    x = torch.cat([x[:1], x])
+    signs = torch.tensor([1.0, -1.0, 1.0, 1.0], dtype=dtype)
+    users = torch.tensor([7, 7, 8, 9])
+    expected_norms, expected_sums = expected_step(model.double(), x.double(), users, "flat", 0.5, signs.double())
+    model.to(dtype)
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=0.5, noise_multiplier=0.0, norm_strategy="ghost")
+    with engine:
+        norms = engine.backward(per_sample_loss(model(x)) * signs, users=users)
+    assert norms[:2].tolist() == [0.0, 0.0] or float(norms[:2].max()) < 1e-5
+    torch.testing.assert_close(norms[2:].double(), expected_norms[2:], rtol=1e-5, atol=1e-6)
+    rtol = 1e-9 if dtype == torch.float64 else 1e-5
+    assert_clipped_sums(model, {n: s.to(dtype) for n, s in expected_sums.items()}, rtol)

@@ -221,6 +221,10 @@ class ParamGradient:
                 materialised = materialised.view(self.batch_size, self.shape.numel())  # rows b * g + j, stacked
             plan = ClippedSumPlan(self.shape, materialised, factors, token_block)
         total = functools.reduce(torch.add, terms)
+        if "ghost" in strategies or len(terms) > 1:
+            # a sum of inner products (ghost, cross terms) rounds below 0 where its exact value, a squared norm, is
+            # about 0 (a user's rows that cancel): sqrt would give NaN. (clamp keeps a NaN or inf as it is)
+            total = total.clamp_min(0)
         groups = self.blocks[0].conv_groups
         norm_sq = total if groups == 1 else total.view(self.batch_size, groups).sum(1)
         return ParamNorm(norm_sq, "+".join(strategies), plan)

@@ -225,8 +225,10 @@ def check_per_sample(
     loss: Tensor, counted: Sequence[Counted], units: Sequence[Unit], rtol: float, retain_graph: bool
 ) -> None:
     """Raise if, for a checked unit, a parameter's counted gradient differs from autograd's gradient of the sum
-    of the unit's losses."""
+    of the unit's losses. The tolerance's floor is relative to the unit's gradient; for a user, whose rows may
+    cancel to a gradient of about 0 that both sides round differently, at least to the batch's largest counted one."""
     tensors = [c.tensor for c in counted]
+    largest = _largest_counted_norm(counted) if any(len(unit.rows) > 1 for unit in units) else 0.0
     for k, (i, rows, label) in enumerate(units):
         with torch.enable_grad():  # an empty rank still runs the pass (FSDP collectives)
             target = loss[rows].sum() if loss.shape[0] else loss.sum()
@@ -238,7 +240,8 @@ def check_per_sample(
         total = math.sqrt(sum(float(g.double().square().sum()) for g in true))
         if not math.isfinite(total):  # a non-finite gradient: the nonfinite policy's, not a disagreement
             continue
-        problems = [p for c, g in zip(counted, true, strict=True) if (p := _disagreement(c, g, i, rtol, total))]
+        scale = total if len(rows) == 1 else max(total, largest)
+        problems = [p for c, g in zip(counted, true, strict=True) if (p := _disagreement(c, g, i, rtol, scale))]
         if problems:
             raise FlashDPError(
                 f"Self-check failed for {label}: what flashdp counted differs from autograd's per-sample "
@@ -248,10 +251,17 @@ def check_per_sample(
             )
 
 
-def _disagreement(counted: Counted, true: Tensor, i: int, rtol: float, total: float) -> str | None:
+def _largest_counted_norm(counted: Sequence[Counted]) -> float:
+    """The largest (finite) norm over all parameters that any unit of the batch was counted."""
+    totals = torch.stack([c.norm_sq.double() for c in counted]).sum(0)
+    totals = totals[torch.isfinite(totals)]
+    return math.sqrt(max(float(totals.max()), 0.0)) if totals.numel() else 0.0
+
+
+def _disagreement(counted: Counted, true: Tensor, i: int, rtol: float, scale: float) -> str | None:
     true_norm = float(true.double().norm())
     norm = math.sqrt(max(float(counted.norm_sq[i]), 0.0))
-    floor = rtol * total
+    floor = rtol * scale
     if abs(norm - true_norm) > rtol * (norm + true_norm) + floor:
         return f"'{counted.name}': counted norm {norm:.4g}, autograd's {true_norm:.4g}"
     if counted.plan is not None:

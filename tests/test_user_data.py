@@ -61,6 +61,7 @@ def test_ranks_sample_disjoint_users_that_cover_every_user():
         ({"users": USERS.float(), "examples_per_user": 2}, r"torch.float32"),
         ({"users": USERS}, r"examples_per_user=k"),
         ({"users": USERS, "examples_per_user": 0}, r"examples_per_user must be an integer >= 1\. Received 0"),
+        ({"users": USERS, "examples_per_user": True}, r"examples_per_user must be an integer >= 1\. Received True"),
     ],
 )
 def test_bad_user_sampling_arguments_are_refused(kwargs, match):
@@ -91,6 +92,20 @@ def test_engine_loader_samples_users_and_trains_by_user():
                 engine.backward_empty()
             engine.step()
         assert engine.steps == 5
+
+
+def test_more_users_per_step_than_users_is_refused():
+    dataset = TensorDataset(torch.randn(len(USERS), 3))
+    engine = flashdp.make_private(nn.Linear(3, 1), max_grad_norm=1.0, noise_multiplier=1.0, expected_batch_size=60,
+                                  sample_rate=0.25)  # fmt: skip
+    refused = pytest.raises(FlashDPError, match=r"expected_batch_size=60 exceeds the number of users \(40\)")
+    with engine, refused:
+        engine.data_loader(dataset, users=USERS, examples_per_user=3)
+
+
+def test_micro_batches_refuse_ids_that_are_not_integers():
+    with pytest.raises(FlashDPError, match=r"users must be an integer tensor of shape \(3,\).*torch.float32"):
+        list(flashdp.micro_batches(torch.zeros(3, 2), 2, users=torch.tensor([0.0, 1.0, 2.0])))
 
 
 @given(

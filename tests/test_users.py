@@ -398,3 +398,21 @@ def test_a_user_whose_rows_cancel_gets_a_zero_norm_not_nan(mode, dtype):
     torch.testing.assert_close(norms[2:].double(), expected_norms[2:], rtol=1e-5, atol=1e-6)
     rtol = 1e-9 if dtype == torch.float64 else 1e-5
     assert_clipped_sums(model, {n: s.to(dtype) for n, s in expected_sums.items()}, rtol)
+
+
+def test_a_non_finite_user_gradient_is_named_by_its_user_id_and_rows():
+    class Sqrt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 1)
+
+        def forward(self, x, z):
+            return self.a(x).squeeze(-1) + torch.sqrt(z * self.a.bias.square().sum())
+
+    model = Sqrt().double()
+    x, z = torch.randn(6, 3, dtype=torch.float64), torch.ones(6, dtype=torch.float64)
+    z[5] = 0  # row 5: the gradient of sqrt at 0
+    with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
+        refused = pytest.raises(FlashDPError, match=r"per-user gradient of user 99 \(rows \[5\]\) is not finite")
+        with refused:
+            engine.backward(model(x, z), users=torch.tensor([42, 42, 42, 42, 17, 99]))

@@ -95,7 +95,7 @@ class UserPoissonSampler(Sampler[list[int]]):
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        if not (isinstance(examples_per_user, int) and examples_per_user >= 1):
+        if isinstance(examples_per_user, bool) or not (isinstance(examples_per_user, int) and examples_per_user >= 1):
             raise FlashDPError(f"examples_per_user must be an integer >= 1. Received {examples_per_user!r}.")
         ids = torch.as_tensor(users).to("cpu", torch.long).flatten()
         unique, inverse = torch.unique(ids, return_inverse=True)
@@ -181,6 +181,11 @@ def check_loader_rate(
     expected = sample_rate * size
     if expected_batch_size is not None and abs(expected - expected_batch_size) > max(1.0, 0.01 * expected_batch_size):
         counted = "len(dataset)" if units is None else "the number of users"
+        if expected_batch_size > size:
+            raise FlashDPError(
+                f"expected_batch_size={expected_batch_size} exceeds {counted} ({size}): a step cannot sample more "
+                f"than all of them. Give make_private expected_batch_size=sample_rate * {counted}, at most {size}."
+            )
         raise FlashDPError(
             f"sample_rate * {counted} = {sample_rate} * {size} = {expected:.1f}, but the engine averages by "
             f"expected_batch_size={expected_batch_size}. Give make_private expected_batch_size={round(expected)} "
@@ -285,9 +290,12 @@ def micro_batches(
 
 def _user_pieces(users: torch.Tensor, size: int, max_size: int) -> list[torch.Tensor]:
     """Row indices of each piece: whole users, packed in order of first appearance, at most `max_size` rows."""
-    if not isinstance(users, torch.Tensor) or users.shape != (size,):
-        got = tuple(users.shape) if isinstance(users, torch.Tensor) else type(users).__name__
-        raise FlashDPError(f"micro_batches: users must be a tensor of shape ({size},), one id per row. Received {got}.")
+    tensor = isinstance(users, torch.Tensor)
+    if not (tensor and users.shape == (size,) and not users.is_floating_point() and users.dtype != torch.bool):
+        got = f"{users.dtype} of shape {tuple(users.shape)}" if tensor else type(users).__name__
+        raise FlashDPError(
+            f"micro_batches: users must be an integer tensor of shape ({size},), one id per row. Received {got}."
+        )
     by_user: dict[int, list[int]] = {}
     for row, user in enumerate(users.tolist()):
         by_user.setdefault(user, []).append(row)

@@ -243,7 +243,7 @@ def _finish(parts: Parts, known: Knowledge, graph: LossGraph, done: _Pass, keeps
             with parts.timer.phase("communication"):
                 dist.all_reduce(clip_norms_sq, op=dist.ReduceOp.SUM, group=parts.norm_group)
         policy, group = parts.settings.nonfinite, parts.adapter.dp_group
-        skipped = nonfinite.nonfinite_samples(policy, clip_norms_sq, norms, group, finite)
+        skipped = nonfinite.nonfinite_samples(policy, clip_norms_sq, norms, group, finite, graph.users)
         if checking:
             rtol = self_check.tolerance(done.dtypes, computed_in_tf32(loss))
             _check_per_sample(parts, graph, norms, done.held, rtol, keeps.graph)

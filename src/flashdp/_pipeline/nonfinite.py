@@ -19,6 +19,7 @@ from torch import Tensor
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm
 from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.settings import NonFinite
+from flashdp._pipeline.users import UserGroups
 from flashdp.errors import FlashDPError
 
 Norms = list[tuple[TrainableParam, ParamNorm]]
@@ -45,11 +46,17 @@ def _widened(
 
 
 def nonfinite_samples(
-    policy: NonFinite, group_norms_sq: Tensor, norms: Norms, dp_group: dist.ProcessGroup | None, finite: bool
+    policy: NonFinite,
+    group_norms_sq: Tensor,
+    norms: Norms,
+    dp_group: dist.ProcessGroup | None,
+    finite: bool,
+    users: UserGroups | None = None,
 ) -> Tensor | None:
     """`[B]` True for the samples skipped (policy "skip"), None when there are none; raises FlashDPError under
     "error" when a sample of this rank or (so that every rank stops together) of another is not finite. `finite`:
-    this rank's squared norms are known all finite (then nothing is read from the device unless ranks must agree)."""
+    this rank's squared norms are known all finite (then nothing is read from the device unless ranks must agree).
+    With `users`, a sample is a user (`[U]`)."""
     if finite and (policy == "skip" or dp_group is None):
         return None
     bad = ~torch.isfinite(group_norms_sq).all(0)
@@ -62,10 +69,10 @@ def nonfinite_samples(
         return None
     if policy == "skip":
         return bad
-    raise _error(bad, norms)
+    raise _error(bad, norms, users)
 
 
-def _error(bad: Tensor, norms: Norms) -> FlashDPError:
+def _error(bad: Tensor, norms: Norms, users: UserGroups | None) -> FlashDPError:
     samples = bad.nonzero().flatten().tolist()
     if not samples:
         return FlashDPError(
@@ -73,10 +80,17 @@ def _error(bad: Tensor, norms: Norms) -> FlashDPError:
             "this backward together. Nothing was added to .grad."
         )
     params = [param.name for param, norm in norms if not all_finite(norm.norm_sq[bad])]
-    shown = ", ".join(map(str, samples[:10])) + (f" and {len(samples) - 10} more" if len(samples) > 10 else "")
-    which = f"samples {shown} are" if len(samples) > 1 else f"sample {shown} is"
+    if users is None:
+        named = [str(i) for i in samples]
+        where = f"indices in this batch of {bad.numel()}"
+    else:
+        named = [f"{int(users.ids[u])} (rows {users.rows_of(u)})" for u in samples]
+        where = f"user ids, rows of this batch of {users.batch}"
+    shown = ", ".join(named[:10]) + (f" and {len(named) - 10} more" if len(named) > 10 else "")
+    unit = "sample" if users is None else "user"
+    which = f"{unit}s {shown} are" if len(samples) > 1 else f"{unit} {shown} is"
     return FlashDPError(
-        f"The per-sample gradient of {which} not finite (NaN or inf; indices in this batch of {bad.numel()}), in "
+        f"The per-{unit} gradient of {which} not finite (NaN or inf; {where}), in "
         f"{', '.join(params[:5])}{' ...' if len(params) > 5 else ''}. Nothing was added to .grad. A finite loss "
         "with a non-finite gradient usually comes from sqrt, log, pow or a division at 0 in the model or the loss "
         "(e.g. the sqrt of a sum of squares that is 0). Fix it there, or make_private(..., nonfinite='skip') "

@@ -24,7 +24,9 @@ Each `engine.backward(loss)`:
                       structure not yet verified (layout.py: keyed by sizes alone), the coverage walk
                       (coverage.py: every parameter reaches the loss only inside calls that count it) and what it
                       learns (learning.py); then attempts, each one norm pass that returns the pass or a finding
-       norm pass      norm_pass.py: one autograd pass to the calls' output edges (no parameter gradient); each call's
+       norm pass      aliasing.py, first: each output edge's gradient counted once per parameter (a tensor returned by
+                      several calls, such as a returned parameter, or twice by one), else refused; then
+                      norm_pass.py: one autograd pass to the calls' output edges (no parameter gradient); each call's
                       output gradient is handed over as autograd computes it (shared_outputs.py: per-sample
                       gradients of outputs shared across the batch) to collector.py, where the call's rule turns it
                       into per-sample gradients and a parameter's norms are computed once its last call is in;

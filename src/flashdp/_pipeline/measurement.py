@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashdp._pipeline import learning, nonfinite, self_check
+from flashdp._pipeline import aliasing, learning, nonfinite, self_check
 from flashdp._pipeline.clipped_sums import Keeps, Norms
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
 from flashdp._pipeline.knowledge import Knowledge
@@ -168,7 +168,9 @@ def _attempt(
     computes them. With `verify`, each is also sketched, and a weighted pass compared with the sketches verifies
     batch independence (see `_verdict`)."""
     loss, batch = graph.loss, graph.loss.shape[0]
-    rule_calls = _rule_calls(known.plan, calls)
+    rule_calls, aliased = _rule_calls(known.plan, calls)
+    if aliased is not None and not verify:
+        raise aliased
     calls.clear()  # from here the collector holds each call, and releases it once its gradients are in
     held = _graph_tensors(known.plan, rule_calls) if checking else {}
     dtypes = [loss.dtype, *(m.dtype for c in rule_calls for m in c.output_meta)]
@@ -188,6 +190,8 @@ def _attempt(
     )
     dims = [dims_of(known.plan, c) for c in rule_calls]
     verifying = Verifying(rule_calls, dims, set(shared), batch) if verify else None
+    if verifying is not None and aliased is not None:  # (raised once the layout is verified: learning it may move
+        verifying.errors.append(aliased)  # the parameter to an enclosing generic rule, which counts it once)
     sharing = capturing_per_sample_gradients(list(shared.values()), batch)
     with parts.timer.phase("norm pass"), parts.adapter.norm_pass(), sharing:
         # (without verifying, only the collector holds each call: the pass empties its list)
@@ -265,8 +269,10 @@ def _float64_norms(
     return nonfinite.recompute_overflowed(norms, gradients, graph.units)
 
 
-def _rule_calls(plan: GradientPlan, calls: list[Call]) -> list[Call]:
-    """The calls of rule sites (scopes only enclose them), without the outputs their rules do not read."""
+def _rule_calls(plan: GradientPlan, calls: list[Call]) -> tuple[list[Call], FlashDPError | None]:
+    """The calls of rule sites (scopes only enclose them), without the outputs their rules do not read, each
+    output's gradient edge counted once per parameter (`aliasing`, on every backward); or, with the error, as
+    recorded where that cannot be exact."""
     rule_calls = [
         c if plan.site(c.module).match.rule.per_call else c.without_outputs()
         for c in calls
@@ -274,7 +280,10 @@ def _rule_calls(plan: GradientPlan, calls: list[Call]) -> list[Call]:
     ]
     if not rule_calls:
         raise no_trainable_layer_error()
-    return rule_calls
+    try:
+        return aliasing.one_holder_per_edge(plan, rule_calls), None
+    except FlashDPError as error:
+        return rule_calls, error
 
 
 def _graph_tensors(plan: GradientPlan, calls: list[Call]) -> dict[object, Tensor]:

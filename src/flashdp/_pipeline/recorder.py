@@ -84,6 +84,19 @@ class Call:
             return self
         return replace(self, outputs=(None,) * len(self.outputs), was_modified=self.modified_in_place())
 
+    def with_outputs(self, kept: list[int]) -> Call:
+        """This call with only its outputs at positions `kept` (the others' gradients are counted through another
+        recorded output with the same gradient edge: `aliasing.one_holder_per_edge`). A rule reads an output by its
+        slot (`OutputMeta.slot`): an output left out is one whose gradient is None."""
+        return replace(
+            self,
+            output_meta=tuple(self.output_meta[j] for j in kept),
+            edges=tuple(self.edges[j] for j in kept),
+            outputs=tuple(self.outputs[j] for j in kept),
+            output_versions=tuple(self.output_versions[j] for j in kept),
+            was_modified=self.modified_in_place(),
+        )
+
     def hidden_by_in_place_error(self, label: str) -> FlashDPError:
         return FlashDPError(
             f"The output of layer {label} was modified in place after the layer returned it (e.g. "
@@ -346,11 +359,14 @@ def _hideable(output: Tensor) -> bool:
 
 
 def _reshape_base(output: Tensor) -> Tensor:
-    """The tensor `output` is a contiguous reshape of, if any; else `output`."""
+    """The tensor `output` is a contiguous reshape of, if any; else `output`. Never a leaf (a parameter): its edge,
+    the parameter's gradient accumulator, sums every use of the parameter, not those of this output alone (and no
+    in-place op can re-route the graph around a view of a leaf that requires grad: torch refuses it)."""
     base = output._base
     if (
         base is not None
         and base.requires_grad
+        and base.grad_fn is not None
         and base.numel() == output.numel()
         and base.is_contiguous()
         and output.is_contiguous()

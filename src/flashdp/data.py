@@ -80,7 +80,11 @@ class UserPoissonSampler(Sampler[list[int]]):
         users: the user id of each example of the dataset, `[N]`.
         sample_rate: q in (0, 1], per user.
         examples_per_user: k >= 1, the most examples one user contributes to a step.
-        steps, seed, secure_rng, rank, world_size: as `PoissonSampler`.
+        steps: as `PoissonSampler`.
+        seed: as `PoissonSampler` (each rank seeds with `seed + rank`).
+        secure_rng: as `PoissonSampler`.
+        rank: this rank, in [0, world_size).
+        world_size: the ranks users are spread over.
     """
 
     def __init__(

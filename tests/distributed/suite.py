@@ -77,13 +77,15 @@ class AdapterSuite:
         """One all-reduce of the decisions every rank must share (verify, self-check); this first backward
         verifies the layout (not under FSDP1, which cannot), and one more all-reduce agrees on what it found. The
         norm pass syncs nothing else. Then one all-reduce of one flag, so that every rank stops together when a
-        sample's gradient is not finite. The clipped sums: under DDP reduced at step(); under FSDP2 one
+        sample's gradient is not finite. And, on an engine's first backward, one all-reduce agreeing on the privacy
+        unit (users= or not). The clipped sums: under DDP reduced at step(); under FSDP2 one
         reduce-scatter per unit (bk: flashdp's, ghost: FSDP2's own in the second backward); under FSDP1 (one
         backward in every mode) one reduce-scatter per unit."""
         verifies = not self.wrapper.startswith("fsdp1")
         for rank in run(workloads.count_backward_collectives, self.wrapper, mode):
             sums = {"ddp": 0, "fsdp2": rank["fsdp2_units"]}.get(self.wrapper, rank["fsdp1_units"])
-            expected = 2 + verifies + sums
+            unit = 1  # (the first backward only: every rank agrees it clips by sample, not by user)
+            expected = unit + 2 + verifies + sums
             assert len(rank["gradient_collectives"]) == expected, rank["gradient_collectives"]
 
 

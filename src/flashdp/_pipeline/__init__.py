@@ -21,7 +21,8 @@ Each `engine.backward(loss)`:
     -  guards         guards.py (the loss, the model's parameters), provenance.py (no gradient but
                       engine.backward's), grad_writes.py (no `.grad` write during the backward but flashdp's own)
     2. measure        measurement.py, the one retry loop: the loss graph indexed once (loss_graph.py); on a forward
-                      structure not yet verified (layout.py: keyed by sizes alone), the coverage walk
+                      structure not yet verified (layout.py: keyed by sizes alone; routing.py: under the index values
+                      of the ops moving rows between the layers and the loss), the coverage walk
                       (coverage.py: every parameter reaches the loss only inside calls that count it) and what it
                       learns (learning.py); then attempts, each one norm pass that returns the pass or a finding
        norm pass      aliasing.py, first: each output edge's gradient counted once per parameter (a tensor returned by

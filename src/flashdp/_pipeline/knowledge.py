@@ -7,9 +7,10 @@ field says what put a fact there; nothing else does.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from flashdp._pipeline import routing
 from flashdp._pipeline.plan import GradientPlan
 
 #: what a verified forward structure rests on (`layout.structure`): the modules called and, per output of a rule
@@ -48,12 +49,18 @@ class Knowledge:
     #: forward structures covered under this plan and verified on a batch of more than one (or, under a wrapper
     #: that cannot verify, whose sizes decided the layout alone); a batch of one verifies nothing
     verified: frozenset[Structure] = field(default_factory=frozenset)
+    #: the routing each verified structure of a batch of more than one was verified under, where it moves rows
+    #: (`routing.Routing`: the ops moving elements by index between the rule sites' outputs and the loss, and their
+    #: index values); a step of that structure routing otherwise is not trusted. Sizes alone do not say whose rows
+    #: are whose where the data moves them (a batch sorted by a key inside the forward: the verified batch may have
+    #: been in order)
+    routings: Mapping[Structure, routing.Routing] = field(default_factory=dict)
     #: when the self-check runs; a backward that fails does not count as having run it
     self_check: SelfCheckSchedule = SelfCheckSchedule(None)
 
     def with_plan(self, plan: GradientPlan) -> Knowledge:
         """Another plan: every structure is verified again under it."""
-        return self if plan is self.plan else replace(self, plan=plan, verified=frozenset())
+        return self if plan is self.plan else replace(self, plan=plan, verified=frozenset(), routings={})
 
     def with_layout(self, plan: GradientPlan) -> Knowledge:
         """The plan with batch dims learnt by a verifying pass, which is redone: its structure is verified then."""
@@ -66,9 +73,20 @@ class Knowledge:
     def not_batch_first_too(self, modules: Iterable[int]) -> Knowledge:
         return replace(self, not_batch_first=self.not_batch_first | frozenset(modules))
 
-    def verifying(self, *structures: Structure) -> Knowledge:
-        added = frozenset(structures) - self.verified
-        return replace(self, verified=self.verified | added) if added else self
+    def trusts(self, structure: Structure, routed: routing.Routing) -> bool:
+        """Whether a step of `structure` routed as `routed` was verified (a batch of one's structure: whatever its
+        routing, every row is its one sample's)."""
+        return structure in self.verified and self.routings.get(structure, routing.NONE).same(routed)
+
+    def verifying(self, structure: Structure, routed: routing.Routing, *alike: Structure) -> Knowledge:
+        """`structure` verified under `routed` (kept: the model may change its index tensors in place), and `alike`
+        (a batch of one's structure) with it."""
+        routings = dict(self.routings)
+        if routed.moves:
+            routings[structure] = routed.kept()
+        else:
+            routings.pop(structure, None)
+        return replace(self, verified=self.verified | {structure, *alike}, routings=routings)
 
     def self_checked(self, index: int) -> Knowledge:
         return replace(self, self_check=self.self_check.ran(index))

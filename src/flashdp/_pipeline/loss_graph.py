@@ -23,6 +23,7 @@ class LossGraph:
 
     def __init__(self, loss: Tensor, users: UserGroups | None = None) -> None:
         self.loss, self.users = loss, users
+        self._above: dict[frozenset[tuple[Node, int]], set[Node]] = {}
 
     @property
     def units(self) -> int:
@@ -56,7 +57,14 @@ class LossGraph:
 
     def above(self, edges: Collection[tuple[Node, int]]) -> set[Node]:
         """The nodes from which one of `edges` (node, output_nr) is reachable by at least one step: autograd runs
-        them to compute that edge's gradient."""
+        them to compute that edge's gradient. Walked once per set of edges (the routing and the norm pass ask alike);
+        not to be changed by the caller."""
+        key = frozenset(edges)
+        if key not in self._above:
+            self._above[key] = self._walk_above(key)
+        return self._above[key]
+
+    def _walk_above(self, edges: Collection[tuple[Node, int]]) -> set[Node]:
         pending = [
             consumer
             for node, output_nr in edges

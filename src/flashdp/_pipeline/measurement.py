@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashdp._pipeline import aliasing, learning, nonfinite, self_check
+from flashdp._pipeline import aliasing, learning, nonfinite, routing, self_check
 from flashdp._pipeline.clipped_sums import Keeps, Norms
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
 from flashdp._pipeline.knowledge import Knowledge
@@ -77,13 +77,14 @@ class Measurement:
 class _Pass:
     """A norm pass that went through: what it learnt (the outputs it found shared across the batch), its
     collector, whether it decided the layout for later steps, each trainable parameter as the forward used it (for
-    the self-check) and the dtypes it saw."""
+    the self-check), the dtypes it saw and the routing above its calls (what a layout it decided rests on)."""
 
     known: Knowledge
     collector: NormCollector
     decided: bool
     held: dict[object, Tensor]
     dtypes: list[torch.dtype]
+    routed: routing.Routing
 
 
 @dataclass(frozen=True)
@@ -107,25 +108,37 @@ def measure(
     """The checked norms of backward number `index` of the forward that recorded `calls` (handed over: emptied as
     the norm pass releases them), and what the engine knows after it. Runs the coverage walk and verification on
     a forward structure not yet verified, the self-check when due, and every rank's agreement on them. With
-    `users`, the norms are those of each user's rows together."""
+    `users`, the norms are those of each user's rows together.
+
+    A structure is trusted only under the routing it was verified under (`routing.py`): a step whose rows move
+    otherwise between a rule site's output and the loss (index values from the data, other ops) is verified
+    again, or refused where no verifying pass can run."""
     batch, graph, shapes = loss.shape[0], LossGraph(loss, users), shapes_of(calls)
     checking = known.self_check.due(index)
     if checking:
         known = known.self_checked(index)
-    new_structure = structure(known.plan, shapes, batch) not in known.verified
+    routed = routing.of(graph, known.plan, calls, known.shared_sites) if batch > 1 else routing.NONE
+    new_structure = not known.trusts(structure(known.plan, shapes, batch), routed)
     if checking or new_structure:
+        plan = known.plan
         known, checking = _cover(parts, known, graph, calls, checking)
+        if known.plan is not plan and batch > 1:  # (other rule sites: the routing above them)
+            routed = routing.of(graph, known.plan, calls, known.shared_sites)
     verify = (checking or new_structure) and parts.adapter.allows_second_pass
     verify &= batch > 1 or parts.adapter.world_size > 1  # (FSDP collectives: every rank runs the passes)
-    unclear = (
-        _unverifiable(known, graph, calls, shapes) if new_structure and not parts.adapter.allows_second_pass else []
-    )
-    verify, checking, refuse = map(bool, parts.on_any_rank([verify, checking, bool(unclear)], loss.device))
+    unclear, moved = [], []
+    if new_structure and not parts.adapter.allows_second_pass:
+        unclear = _unverifiable(known, graph, calls, shapes)
+        moved = routed.deciding
+    flags = parts.on_any_rank([verify, checking, bool(unclear), bool(moved)], loss.device)
+    verify, checking, refuse, refuse_moved = map(bool, flags)
     if refuse:
         raise ambiguous_error(unclear)
+    if refuse_moved:
+        raise routing.unverifiable_error(moved)
     recorded = list(calls) if verify else []  # (scopes too: a layer found not batch-first is covered again)
     for _ in range(3 * len(recorded) + 2):  # each finding teaches something new about one of the calls
-        outcome = _attempt(parts, known, graph, list(recorded) if verify else calls, verify, checking, keeps)
+        outcome = _attempt(parts, known, graph, list(recorded) if verify else calls, verify, checking, keeps, routed)
         known = outcome.known
         if isinstance(outcome, _Pass):
             break
@@ -139,7 +152,7 @@ def measure(
     measurement = _finish(parts, known, graph, outcome, keeps, checking)
     # a batch of one decides no layout: every dim fits it, its rows are all its own
     if batch > 1 and outcome.decided and (verify or new_structure):
-        known = known.verifying(structure(known.plan, shapes, batch), structure(known.plan, shapes, 1))
+        known = known.verifying(structure(known.plan, shapes, batch), outcome.routed, structure(known.plan, shapes, 1))
     return measurement, known
 
 
@@ -162,11 +175,19 @@ def _cover(
 
 
 def _attempt(
-    parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], verify: bool, checking: bool, keeps: Keeps
+    parts: Parts,
+    known: Knowledge,
+    graph: LossGraph,
+    calls: list[Call],
+    verify: bool,
+    checking: bool,
+    keeps: Keeps,
+    routed: routing.Routing = routing.NONE,
 ) -> _Pass | _Finding:
     """One norm pass over `calls` (handed over): each call's output gradients go to a collector as autograd
     computes them. With `verify`, each is also sketched, and a weighted pass compared with the sketches verifies
-    batch independence (see `_verdict`)."""
+    batch independence (see `_verdict`), under the routing above these calls (read here, before the pass frees
+    the graph's saved tensors: the plan may have changed since `routed`, the routing when the measurement began)."""
     loss, batch = graph.loss, graph.loss.shape[0]
     rule_calls, aliased = _rule_calls(known.plan, calls)
     if aliased is not None and not verify:
@@ -175,6 +196,8 @@ def _attempt(
     held = _graph_tensors(known.plan, rule_calls) if checking else {}
     dtypes = [loss.dtype, *(m.dtype for c in rule_calls for m in c.output_meta)]
     shared, known = learning.shared(known, graph, rule_calls)
+    if verify and batch > 1:
+        routed = routing.of(graph, known.plan, rule_calls, known.shared_sites)
     collector = NormCollector(
         known.plan,
         rule_calls,
@@ -201,10 +224,10 @@ def _attempt(
             graph, passed, receiver(collector, verifying), {i for i, _ in shared}, retain, prepare=collector.unpack
         )
     if verifying is None:
-        return _Pass(known, collector, True, held, dtypes)
+        return _Pass(known, collector, True, held, dtypes, routed)
     found, known = _verdict(parts, known, graph, verifying)
     if found is Found.VERIFIED:
-        return _Pass(known, collector, verifying.every_sample_seen(), held, dtypes)
+        return _Pass(known, collector, verifying.every_sample_seen(), held, dtypes, routed)
     return _Finding(known, cover_again=found is Found.NOT_BATCH_FIRST)
 
 

@@ -120,14 +120,22 @@ def expected_step(model: nn.Module, x: Tensor, users: Tensor, clipping: str, c: 
 
 
 def check_users(model, x, users, *, mode="bk", clipping="flat", c=0.5, rtol=1e-9, **engine_kwargs) -> None:
-    expected_norms, expected_sums = expected_step(model, x, users, clipping, c)
+    """flashdp's user-level step on `model` against the oracle's, on a float64 copy of it (`rtol`: of the sums,
+    and of the norms where above the float64 tolerance)."""
+    wide = x.double() if x.is_floating_point() else x
+    expected_norms, expected_sums = expected_step(copy.deepcopy(model).double(), wide, users, clipping, c)
     with flashdp.make_private(
         model, mode=mode, max_grad_norm=c, noise_multiplier=0.0, clipping=clipping, **engine_kwargs
     ) as engine:
         norms = engine.backward(per_sample_loss(model(x)), users=users)
     assert norms.dtype == torch.float32 and norms.shape == users.shape
-    torch.testing.assert_close(norms.double(), expected_norms, rtol=1e-6, atol=1e-6)
-    assert_clipped_sums(model, expected_sums, rtol)
+    norm_tol = max(rtol, 1e-6)
+    torch.testing.assert_close(norms.double(), expected_norms, rtol=norm_tol, atol=norm_tol)
+    assert_clipped_sums(model, {n: s.to(model_dtype(model)) for n, s in expected_sums.items()}, rtol)
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
 
 
 user_ids = st.lists(st.integers(0, 3), min_size=1, max_size=6)
@@ -146,9 +154,11 @@ def test_each_users_summed_gradient_is_clipped(name, ids, mode, clipping, strate
 @requires_triton
 @given(ids=user_ids, strategy=norm_strategies)
 def test_flash_clips_users_exactly(ids, strategy):
+    """float32, so that the Triton kernels run (float64 goes to PyTorch); the float64 oracle's tolerance is
+    float32's (as tests/kernels/test_flash_mode.py)."""
     build, data = MODELS["transformer"]
-    model = build().double()
-    check_users(model, data(len(ids)), torch.tensor(ids), mode="flash", norm_strategy=strategy)
+    model = build()
+    check_users(model, data(len(ids)), torch.tensor(ids), mode="flash", norm_strategy=strategy, rtol=2e-4)
 
 
 @pytest.mark.parametrize("mode", MODES)

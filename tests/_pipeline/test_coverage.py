@@ -264,8 +264,8 @@ class SometimesOutside(nn.Module):
 
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
 def test_a_use_outside_the_layer_from_a_later_step_on_is_counted_on_a_self_checked_step(mode):
-    """The coverage walk runs once per forward structure, and again with every self-check (docs/assumptions.md:
-    What no check can see): self_check=1 counts a use that appears on a later step with the same structure."""
+    """A use that appears on a later step with the same structure is counted (the coverage walk runs on every
+    backward; tests/_pipeline/test_coverage_every_backward.py checks it without the self-check)."""
     model = SometimesOutside().double()
     x = torch.randn(3, 4, dtype=torch.float64)
     loss_of = lambda s: per_sample_loss(model(x[s]))  # noqa: E731

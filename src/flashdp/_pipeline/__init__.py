@@ -20,11 +20,12 @@ Each `engine.backward(loss)`:
                       under (a module's rule checked on its first call: its scale, or the generic rule)
     -  guards         guards.py (the loss, the model's parameters), provenance.py (no gradient but
                       engine.backward's), grad_writes.py (no `.grad` write during the backward but flashdp's own)
-    2. measure        measurement.py, the one retry loop: the loss graph indexed once (loss_graph.py); on a forward
-                      structure not yet verified (layout.py: keyed by sizes alone; routing.py: under the index values
-                      of the ops moving rows between the layers and the loss), the coverage walk
-                      (coverage.py: every parameter reaches the loss only inside calls that count it) and what it
-                      learns (learning.py); then attempts, each one norm pass that returns the pass or a finding
+    2. measure        measurement.py, the one retry loop: the loss graph indexed once (loss_graph.py); on every
+                      backward, the coverage walk (coverage.py: every parameter reaches the loss only inside calls
+                      that count it); on a forward structure not yet verified (layout.py: keyed by sizes alone;
+                      routing.py: under the index values of the ops moving rows between the layers and the loss),
+                      or a use found outside those calls, what it learns (learning.py); then attempts, each one
+                      norm pass that returns the pass or a finding
        norm pass      aliasing.py, first: each output edge's gradient counted once per parameter (a tensor returned by
                       several calls, such as a returned parameter, or twice by one), else refused; then
                       norm_pass.py: one autograd pass to the calls' output edges (no parameter gradient); each call's

@@ -8,6 +8,7 @@ import enum
 from collections.abc import Callable, Iterable
 
 from torch import Tensor
+from torch.autograd.graph import Node
 
 from flashdp._pipeline import coverage, shared_outputs
 from flashdp._pipeline.knowledge import Knowledge
@@ -63,6 +64,14 @@ def cover(
     return known, True
 
 
+def uncovered(known: Knowledge, graph: LossGraph, calls: list[Call], registered: Registered) -> bool:
+    """Whether this backward uses a trainable parameter where no site counting it encloses the use (the coverage
+    walk, without the layout questions a verified structure has answered): run on every backward whose structure
+    was verified, since its calls and sizes do not say how the forward used each parameter (`F.linear(x,
+    layer.weight)` in a branch taken on some steps only)."""
+    return bool(coverage.walk(graph.loss, calls, known.plan, registered()).uses)
+
+
 def _enclosing_rule_under_fsdp_error(uses: list[coverage.Use]) -> FlashDPError:
     names = sorted(use.param.name for use in uses)
     return FlashDPError(
@@ -94,19 +103,51 @@ def shared(
 ) -> tuple[dict[tuple[int, int], shared_outputs.SharedOutput], Knowledge]:
     """(call, output) -> SharedOutput for every output shared across the batch: those without the batch dim, and
     every output of a site known to share its output (a shared output's dims may equal B by chance); and the
-    knowledge that their sites share."""
+    knowledge that their sites share. An output of a call with several takes its per-sample gradient through its
+    uses outside the call alone (`shared_outputs.outside_frontiers`): the paths inside the call to its other
+    outputs are theirs, which the call's rule maps back through the call (as `norm_pass._outside_gradients` does
+    for batch outputs); where it has no other use, its gradient is None."""
     batch = graph.loss.shape[0]
     if batch < 2:
         return {}, known
     found = {}
+    regions: dict[int, list[set[Node]]] = {}
     for out in outputs(known.plan, calls):
         call = calls[out.call]
         if id(call.module) in known.shared_sites or lacks_batch(out.meta.shape, out.dim, batch):
             edge = call.edges[out.index]
-            frontiers = graph.frontiers(edge, batch)
-            if frontiers:
+            if len(call.edges) == 1:
+                frontiers = graph.frontiers(edge, batch)
+            else:  # (only its uses outside the call: the paths to the call's other outputs are theirs)
+                if out.call not in regions:
+                    regions[out.call] = _regions(call)
+                others = [k for k in range(len(call.edges)) if k != out.index]
+                inside = set().union(*(regions[out.call][k] for k in others))
+                edges = {(call.edges[k].node, call.edges[k].output_nr) for k in others}
+                frontiers = shared_outputs.outside_frontiers(edge, graph.parents, batch, inside, edges)
+                if frontiers == [] and not graph.frontiers(edge, batch):
+                    frontiers = None  # (mis-shaped, or not reaching the loss, whatever the call's other outputs)
+            if frontiers is not None and (frontiers or len(call.edges) > 1):
                 found[(out.call, out.index)] = shared_outputs.SharedOutput(edge, out.meta.shape, frontiers)
     return found, known.sharing(id(calls[i].module) for i, _ in found)
+
+
+def _regions(call: Call) -> list[set[Node]]:
+    """Per output of the call, the call's part of the graph below it: the nodes from its edge down to the call's
+    inputs."""
+    stop = {(e.node, e.output_nr) for e in call.input_edges}
+    regions = []
+    for edge in call.edges:
+        region = {edge.node}
+        pending = [edge.node]
+        while pending:
+            node = pending.pop()
+            for child in node.next_functions:
+                if child[0] is not None and child not in stop and child[0] not in region:
+                    region.add(child[0])
+                    pending.append(child[0])
+        regions.append(region)
+    return regions
 
 
 def broadcast_though_fitting(known: Knowledge, graph: LossGraph, calls: list[Call]) -> list[Ambiguous]:

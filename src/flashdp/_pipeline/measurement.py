@@ -106,9 +106,9 @@ def measure(
     users: UserGroups | None = None,
 ) -> tuple[Measurement, Knowledge]:
     """The checked norms of backward number `index` of the forward that recorded `calls` (handed over: emptied as
-    the norm pass releases them), and what the engine knows after it. Runs the coverage walk and verification on
-    a forward structure not yet verified, the self-check when due, and every rank's agreement on them. With
-    `users`, the norms are those of each user's rows together.
+    the norm pass releases them), and what the engine knows after it. Runs the coverage walk (on every backward:
+    `learning.uncovered`), verification on a forward structure not yet verified or newly covered, the self-check
+    when due, and every rank's agreement on them. With `users`, the norms are those of each user's rows together.
 
     A structure is trusted only under the routing it was verified under (`routing.py`): a step whose rows move
     otherwise between a rule site's output and the loss (index values from the data, other ops) is verified
@@ -119,6 +119,7 @@ def measure(
         known = known.self_checked(index)
     routed = routing.of(graph, known.plan, calls, known.shared_sites) if batch > 1 else routing.NONE
     new_structure = not known.trusts(structure(known.plan, shapes, batch), routed)
+    new_structure = new_structure or (not checking and learning.uncovered(known, graph, calls, parts.registered))
     if checking or new_structure:
         plan = known.plan
         known, checking = _cover(parts, known, graph, calls, checking)

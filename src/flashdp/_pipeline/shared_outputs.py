@@ -17,7 +17,7 @@ then sees B copies of its inputs, each with its own output gradient.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +54,21 @@ class SharedOutput:
 def frontiers(edge: GradientEdge, graph: dict[Node, list[tuple[Node, int]]], batch: int) -> list[Frontier]:
     """Where the batch first appears above a shared tensor, on every path to the loss; [] if it does not reach the
     loss or some path gets there without meeting the batch (then it is not shared but mis-shaped)."""
+    return outside_frontiers(edge, graph, batch) or []
+
+
+def outside_frontiers(
+    edge: GradientEdge,
+    graph: dict[Node, list[tuple[Node, int]]],
+    batch: int,
+    inside: Collection[Node] = frozenset(),
+    others: Collection[tuple[Node, int]] = frozenset(),
+) -> list[Frontier] | None:
+    """`frontiers` of one output of a call, through its uses outside the call: not on the paths inside the call
+    to its `others` outputs (their own gradients count those paths, through the call's rule), so neither past one
+    of their edges nor at a frontier among the `inside` nodes (the call's part of the graph below them). [] where
+    every path to the loss is such a path (the output's own gradient is then nothing); None where it does not reach
+    the loss or some path gets there without meeting the batch."""
     found: list[Frontier] = []
     pending = [(edge.node, edge.output_nr, 0)]
     seen: set[tuple[Node, int]] = set()
@@ -62,15 +77,18 @@ def frontiers(edge: GradientEdge, graph: dict[Node, list[tuple[Node, int]]], bat
         if (node, output_nr) in seen:
             continue
         seen.add((node, output_nr))
+        if depth and (node, output_nr) in others:
+            continue
         ours = node._input_metadata[output_nr].shape
         consumers = [(p, s) for p, s in graph.get(node, ()) if p.next_functions[s][1] == output_nr]
         if not consumers or depth >= MAX_DEPTH:
-            return []  # the loss itself, or too far up
+            return None  # the loss itself, or too far up
         for consumer, _ in consumers:
             carrying = [j for j, m in enumerate(consumer._input_metadata) if _introduces_batch(ours, m.shape, batch)]
             if carrying:
-                slots = tuple(s for s, child in enumerate(consumer.next_functions) if child == (node, output_nr))
-                found.append(Frontier(consumer, carrying[0], slots, (node, output_nr)))
+                if consumer not in inside:
+                    slots = tuple(s for s, child in enumerate(consumer.next_functions) if child == (node, output_nr))
+                    found.append(Frontier(consumer, carrying[0], slots, (node, output_nr)))
             else:
                 pending += [(consumer, j, depth + 1) for j in range(len(consumer._input_metadata))]
     return list(dict.fromkeys(found))

@@ -72,7 +72,51 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
             "parameters, or register a rule for its type with flashdp.register_rule(...)."
         ) from error
     _check_recomputed(call, [call.outputs[j] for j in used], outputs, shared)
+    _refuse_unswapped_reads(call, outputs)
     return {name: g.to(accumulation_dtype(g)) for name, g in grads.items()}
+
+
+def _refuse_unswapped_reads(call: LayerCall, outputs: tuple[Tensor, ...]) -> None:
+    """The re-run must read the parameters it counts from the module, where `functional_call` swaps them for the
+    copies whose vjp is taken. One it reads another way (held in a Python list or a closure, or a tensor cached
+    from them on an earlier call) is the parameter itself in the re-run: its gradient is missing from the copies'
+    (0 for a module returning `self.alias[0]`), silently. Such a read leaves the re-run's outputs with autograd
+    history (outside torch.func's transforms) down to the parameter: walked here, only where an output has any
+    (the outputs of a re-run reading only its copies, its detached inputs and frozen tensors have none)."""
+    with_history = [t for t in outputs if t.grad_fn is not None]
+    if not with_history:
+        return
+    read = {id(t): name for name, t in call.params.items() if t.requires_grad}
+    nodes = {t.grad_fn: name for name, t in call.params.items() if t.requires_grad and t.grad_fn is not None}
+    if not read:
+        return
+    seen: set[object] = set()
+    pending = [t.grad_fn for t in with_history]
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        name = nodes.get(node)
+        if name is None and type(node) is _ACCUMULATOR:
+            variable = node.variable
+            name = read.get(id(variable))
+            if name is not None and call.params[name] is not variable:
+                name = None
+        if name is not None:
+            raise FlashDPError(
+                f"The generic rule re-runs layer {call.label}'s forward with its parameters swapped for copies "
+                f"(torch.func.functional_call), and the re-run read '{name}' without the swap: through a reference "
+                "the swap cannot reach (a Python list, dict or closure holding it, or a tensor computed from it on an "
+                "earlier call). Its per-sample gradient would be missing. Nothing was added to .grad. Read the "
+                f"parameter from the module in forward (`self.{name.rpartition('.')[2]}`), or register a rule for "
+                "the layer with flashdp.register_rule(...)."
+            )
+        pending.extend(child for child, _ in node.next_functions if child is not None)
+
+
+#: the node of a leaf tensor that requires grad: its gradient accumulator
+_ACCUMULATOR = torch._C._functions.AccumulateGrad
 
 
 def _has_batch(x: object, batch: int) -> bool:

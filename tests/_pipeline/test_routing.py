@@ -228,3 +228,36 @@ def test_rows_moved_by_index_where_no_verifying_pass_can_run_are_refused():
         with pytest.raises(FlashDPError, match=r"Under FSDP1.*moves rows by index values \(Index\)"):
             engine.backward(_sum_loss(model, x[x[:, 0].argsort()]))
         assert all(p.grad is None for p in model.parameters())
+
+
+class SparsePermuted(nn.Module):
+    """`b` runs on rows permuted by a sparse 0/1 matrix built from the data, put back by its inverse: the moves are
+    the sparse matrices' indices (found by the second breaker helper: missed before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.a(x).tanh()
+        rows = torch.arange(len(x))
+        order = x[:, 0].argsort()
+
+        def permutation(columns):
+            return torch.sparse_coo_tensor(torch.stack([rows, columns]), torch.ones(len(x), dtype=x.dtype))
+
+        return torch.sparse.mm(permutation(order.argsort()), self.b(torch.sparse.mm(permutation(order), h)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_permuted_by_a_sparse_matrix_from_the_data_are_exact_or_refused(mode):
+    """After a batch already in key order, a step whose sparse permutation differs is verified again: `b`'s rows
+    are not its samples', and the enclosing generic rule that would count it cannot run sparse ops one sample at a
+    time, so the step is refused; never silently wrong."""
+    torch.manual_seed(0)
+    batches = _sorted_first([torch.randn(4, 3, dtype=torch.float64) for _ in range(3)])
+    model = SparsePermuted().double()
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None) as engine:
+        engine.backward(_sum_loss(model, batches[0]))
+        with pytest.raises(FlashDPError):
+            engine.backward(_sum_loss(model, batches[1]))

@@ -72,6 +72,8 @@ MOVES: dict[str, tuple[str, ...]] = {
     "EmbeddingBackward0": ("_saved_indices",),  # (above a rule site: a batch tensor looked up as the table)
     "EmbeddingBagBackward0": ("_saved_indices", "_saved_offsets"),
     "PackPaddedSequenceBackward0": ("_saved_result1",),  # (the batch sizes per step)
+    # a sparse matrix times rows (`torch.sparse.mm(P, h)`: a permutation built from the data): its indices and values
+    "SparseAddmmBackward0": ("_saved_mat1",),
     **dict.fromkeys(["MaxUnpool2DBackward0", "MaxUnpool3DBackward0"], ("_saved_indices",)),
 }
 
@@ -199,7 +201,16 @@ def _index_values(node: Node, attributes: tuple[str, ...]) -> tuple[Tensor | Non
     for name in attributes:
         saved = getattr(node, name)
         values.extend(saved if isinstance(saved, (tuple, list)) else (saved,))
-    return tuple(v if v is None or isinstance(v, Tensor) else torch.as_tensor(v) for v in values)
+    tensors = [v if v is None or isinstance(v, Tensor) else torch.as_tensor(v) for v in values]
+    return tuple(part for v in tensors for part in _dense_parts(v))
+
+
+def _dense_parts(t: Tensor | None) -> tuple[Tensor | None, ...]:
+    """A sparse tensor as its (coalesced) indices and values, which say where it moves elements; others as they are."""
+    if t is None or t.layout == torch.strided:
+        return (t,)
+    coo = t.to_sparse_coo().coalesce()
+    return coo.indices(), coo.values()
 
 
 def _copy(t: Tensor | None) -> Tensor | None:

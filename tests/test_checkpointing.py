@@ -48,6 +48,24 @@ def test_non_reentrant_checkpointing_is_exact(mode):
     check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 5, mode=mode, rtol=rtol)
 
 
+class CheckpointedGeneric(nn.Module):
+    """A parameter no dedicated rule knows (the generic rule), used inside a non-reentrant checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return checkpoint(lambda t: torch.sin(t * self.w), x, use_reentrant=False)
+
+
+def test_checkpointing_inside_a_generic_rules_module_is_refused_naming_checkpointing():
+    model = nn.Sequential(CheckpointedGeneric(), nn.Linear(3, 2)).double()
+    refused = pytest.raises(FlashDPError, match=r"its forward runs activation checkpointing \(torch.utils.checkpoint\)")
+    with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0) as engine, refused:
+        engine.backward(per_sample_loss(model(torch.randn(4, 3, dtype=torch.float64))))
+
+
 def test_reentrant_checkpointing_is_refused():
     """(Without an input that requires grad, torch's reentrant checkpoint gives the segment no gradient at all,
     private or not, and warns: nothing then reaches its parameters for flashdp to miss.)"""

@@ -64,16 +64,30 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
         with autocast_like(call), torch.enable_grad():
             grads, outputs = vmap(one_sample, randomness="different")(per_sample_inputs, cotangents)
     except (RuntimeError, ValueError, TypeError, IndexError) as error:
-        raise FlashDPError(
-            f"The generic rule cannot compute per-sample gradients for {call.label}: torch.func.vmap cannot run its "
-            f"forward one sample at a time ({type(error).__name__}: {str(error).splitlines()[0][:300]}). This "
-            "happens with data-dependent control flow (a branch or a shape that depends on values), inputs that fold "
-            "the batch into another dim, or a cache the forward updates (train with use_cache=False). Freeze its "
-            "parameters, or register a rule for its type with flashdp.register_rule(...)."
-        ) from error
+        raise _vmap_error(call.label, error) from error
     _check_recomputed(call, [call.outputs[j] for j in used], outputs, shared)
     _refuse_unswapped_reads(call, outputs)
     return {name: g.to(accumulation_dtype(g)) for name, g in grads.items()}
+
+
+def _vmap_error(label: str, error: Exception) -> FlashDPError:
+    said = str(error)
+    if "saved tensor hooks" in said:
+        cause = (
+            "its forward runs activation checkpointing (torch.utils.checkpoint), whose saved-tensor hooks vmap "
+            "cannot run. Checkpoint whole blocks whose layers have rules (or outside this module), or register a "
+            "rule for its type with flashdp.register_rule(...)."
+        )
+    else:
+        cause = (
+            "this happens with data-dependent control flow (a branch or a shape that depends on values), inputs "
+            "that fold the batch into another dim, or a cache the forward updates (train with use_cache=False). "
+            "Freeze its parameters, or register a rule for its type with flashdp.register_rule(...)."
+        )
+    return FlashDPError(
+        f"The generic rule cannot compute per-sample gradients for {label}: torch.func.vmap cannot run its forward "
+        f"one sample at a time ({type(error).__name__}: {said.splitlines()[0][:300]}): {cause}"
+    )
 
 
 def _refuse_unswapped_reads(call: LayerCall, outputs: tuple[Tensor, ...]) -> None:

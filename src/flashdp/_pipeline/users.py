@@ -16,6 +16,7 @@ in any order give one row per user, and nothing is regrouped.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -139,10 +140,11 @@ class UserLedger:
         if dp_group is not None:
             ranks = [None] * dist.get_world_size(dp_group)
             dist.all_gather_object(ranks, groups.ids.tolist(), group=dp_group)
-        repeated = sorted({u for ids in ranks for u in ids if u in self._seen} | _on_several(ranks))
+        every = Counter(u for ids in ranks for u in ids)  # (a rank's ids are distinct: a count of 2 is 2 ranks)
+        repeated = sorted(u for u, count in every.items() if count > 1 or u in self._seen)
         if repeated:
             raise _split_user_error(repeated, len(ranks))
-        return frozenset(u for ids in ranks for u in ids)
+        return frozenset(every)
 
     def clipped(self, users: frozenset[int]) -> None:
         """A backward added these users' clipped gradients to the step."""
@@ -162,14 +164,6 @@ class UserLedger:
                 "unit. Pass users= on every rank (an empty tensor on a rank without rows)."
             )
         return bool(some)
-
-
-def _on_several(ranks: list[list[int]]) -> set[int]:
-    counts: dict[int, int] = {}
-    for ids in ranks:
-        for u in ids:
-            counts[u] = counts.get(u, 0) + 1
-    return {u for u, n in counts.items() if n > 1}
 
 
 def _split_user_error(users: list[int], world: int) -> FlashDPError:

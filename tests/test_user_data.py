@@ -59,6 +59,7 @@ def test_ranks_sample_disjoint_users_that_cover_every_user():
     [
         ({"users": USERS[:-1], "examples_per_user": 2}, r"one integer user id per example of the dataset"),
         ({"users": USERS.float(), "examples_per_user": 2}, r"torch.float32"),
+        ({"users": USERS.to(torch.complex64), "examples_per_user": 2}, r"torch.complex64"),
         ({"users": USERS}, r"examples_per_user=k"),
         ({"users": USERS, "examples_per_user": 0}, r"examples_per_user must be an integer >= 1\. Received 0"),
         ({"users": USERS, "examples_per_user": True}, r"examples_per_user must be an integer >= 1\. Received True"),
@@ -103,9 +104,11 @@ def test_more_users_per_step_than_users_is_refused():
         engine.data_loader(dataset, users=USERS, examples_per_user=3)
 
 
-def test_micro_batches_refuse_ids_that_are_not_integers():
-    with pytest.raises(FlashDPError, match=r"users must be an integer tensor of shape \(3,\).*torch.float32"):
-        list(flashdp.micro_batches(torch.zeros(3, 2), 2, users=torch.tensor([0.0, 1.0, 2.0])))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64, torch.bool])
+def test_micro_batches_refuse_ids_that_are_not_integers(dtype):
+    ids = torch.tensor([0, 1, 1]).to(dtype)
+    with pytest.raises(FlashDPError, match=rf"users must be an integer tensor of shape \(3,\).*{dtype}"):
+        list(flashdp.micro_batches(torch.zeros(3, 2), 2, users=ids))
 
 
 @given(

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
+from flashdp._pipeline.users import holds_integers
 from flashdp.errors import FlashDPError
 from flashdp.privacy import csprng
 
@@ -243,7 +244,7 @@ def count_users(users: Sequence[int] | torch.Tensor) -> int:
 
 def _checked_users(users: Sequence[int] | torch.Tensor, size: int, examples_per_user: int | None) -> torch.Tensor:
     ids = torch.as_tensor(users)
-    if ids.shape != (size,) or ids.is_floating_point() or ids.dtype == torch.bool:
+    if ids.shape != (size,) or not holds_integers(ids):
         raise FlashDPError(
             f"users must hold one integer user id per example of the dataset ({size}). Received "
             f"{ids.dtype} of shape {tuple(ids.shape)}."
@@ -295,7 +296,7 @@ def micro_batches(
 def _user_pieces(users: torch.Tensor, size: int, max_size: int) -> list[torch.Tensor]:
     """Row indices of each piece: whole users, packed in order of first appearance, at most `max_size` rows."""
     tensor = isinstance(users, torch.Tensor)
-    if not (tensor and users.shape == (size,) and not users.is_floating_point() and users.dtype != torch.bool):
+    if not (tensor and users.shape == (size,) and holds_integers(users)):
         got = f"{users.dtype} of shape {tuple(users.shape)}" if tensor else type(users).__name__
         raise FlashDPError(
             f"micro_batches: users must be an integer tensor of shape ({size},), one id per row. Received {got}."

@@ -177,6 +177,11 @@ def _split_user_error(users: list[int], world: int) -> FlashDPError:
     )
 
 
+def holds_integers(ids: Tensor) -> bool:
+    """Whether a tensor's dtype is an integer one (not floating, complex or bool): what user ids must be."""
+    return not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
+
+
 def _checked_ids(users: object, batch: int) -> Tensor:
     """`[B]` int64 ids on the CPU (one device sync for ids on a GPU)."""
     if not isinstance(users, Tensor):
@@ -189,7 +194,7 @@ def _checked_ids(users: object, batch: int) -> Tensor:
             f"Wrong shape: users= must be 1-D with one id per row of the loss ({batch}). Received shape "
             f"{tuple(users.shape)}."
         )
-    if users.is_floating_point() or users.is_complex() or users.dtype == torch.bool:
+    if not holds_integers(users):
         raise FlashDPError(
             f"users= must hold integer ids. Received dtype {users.dtype}: map user names to integers first."
         )

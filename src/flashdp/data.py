@@ -177,15 +177,14 @@ class _UsersCollate:
 
 
 def check_loader_rate(
-    sample_rate: float | None, expected_batch_size: int | None, size: int, units: str | None = None
+    sample_rate: float | None, expected_batch_size: int | None, size: int, counted: str = "len(dataset)"
 ) -> None:
     """An engine's loader samples at its `sample_rate`, which must agree with the `expected_batch_size` it averages
-    by over a dataset of `size` records (or `size` users: `units="users"`)."""
+    by over `size` units: the dataset's records, or its users (`counted`: what `size` is, for the message)."""
     if sample_rate is None:
         raise FlashDPError("engine.data_loader() samples at the engine's rate: make_private(..., sample_rate=q).")
     expected = sample_rate * size
     if expected_batch_size is not None and abs(expected - expected_batch_size) > max(1.0, 0.01 * expected_batch_size):
-        counted = "len(dataset)" if units is None else "the number of users"
         if expected_batch_size > size:
             raise FlashDPError(
                 f"expected_batch_size={expected_batch_size} exceeds {counted} ({size}): a step cannot sample more "

@@ -296,8 +296,10 @@ class DPEngine:
         USERS at the engine's rate and up to `examples_per_user` examples of each, a user's examples on one rank;
         the loader yields `(batch, users)` for `engine.backward(loss, users=users)`. The engine's
         `expected_batch_size` is then `sample_rate` times the number of users (docs/guides/user-level.md)."""
-        units = len(dataset) if users is None else count_users(users)
-        check_loader_rate(self.sample_rate, self.expected_batch_size, units, "users" if users is not None else None)
+        if users is None:
+            check_loader_rate(self.sample_rate, self.expected_batch_size, len(dataset))
+        else:
+            check_loader_rate(self.sample_rate, self.expected_batch_size, count_users(users), "the number of users")
         group = self._adapter.dp_group
         return poisson_loader(
             dataset,

@@ -17,6 +17,7 @@ Needs `transformers` (not a dependency of flashdp).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -142,9 +143,9 @@ class DPTrainer(Trainer):
                 f"expected_batch_size={self.privacy.expected_batch_size} exceeds the {self._units} {units}."
             )
 
-    @property
+    @functools.cached_property
     def _units(self) -> int:
-        """What is sampled: the training samples, or the users."""
+        """How many units are sampled from: the training samples, or the users (counted once)."""
         return len(self.train_dataset) if self._users is None else count_users(self._users)
 
     @property

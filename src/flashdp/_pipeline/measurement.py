@@ -336,7 +336,7 @@ def _check_per_sample(
 def _unit(users: UserGroups | None, index: int) -> self_check.Unit:
     if users is None:
         return self_check.Unit(index, [index], f"sample {index}")
-    return self_check.Unit(index, users.rows_of(index), f"user {int(users.ids[index])} (rows {users.rows_of(index)})")
+    return self_check.Unit(index, users.rows_of(index), f"user {users.named(index)}")
 
 
 def _group_norms_sq(norms: Norms, groups: int, batch: int, device: torch.device) -> Tensor:

@@ -84,7 +84,7 @@ def _error(bad: Tensor, norms: Norms, users: UserGroups | None) -> FlashDPError:
         named = [str(i) for i in samples]
         where = f"indices in this batch of {bad.numel()}"
     else:
-        named = [f"{int(users.ids[u])} (rows {users.rows_of(u)})" for u in samples]
+        named = [users.named(u) for u in samples]
         where = f"user ids, rows of this batch of {users.batch}"
     shown = ", ".join(named[:10]) + (f" and {len(named) - 10} more" if len(named) > 10 else "")
     unit = "sample" if users is None else "user"

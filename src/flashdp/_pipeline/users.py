@@ -78,6 +78,10 @@ class UserGroups:
         """The batch rows of user number `user`."""
         return [r for r in self.members[user].tolist() if r < self.batch]
 
+    def named(self, user: int) -> str:
+        """User number `user` as the messages name it: its id and its batch rows."""
+        return f"{int(self.ids[user])} (rows {self.rows_of(user)})"
+
     def per_row(self, values: Tensor) -> Tensor:
         """`[..., B]` each row's value from `[..., U]` per-user values (its user's)."""
         return values if self.one_row_each else values[..., self.index]

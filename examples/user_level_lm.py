@@ -58,37 +58,35 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
     return parser.parse_args(argv)
 
 
-def user_records(seq_len: int, verses_per_user: int) -> tuple[TensorDataset, torch.Tensor, TensorDataset, list]:
-    """(the training verses of Exodus, the user of each, the held-out users' verses, the characters)."""
-    ids, mask, chars = train_lm.encode_verses(seq_len)
+def user_records(
+    ids: torch.Tensor, mask: torch.Tensor, verses_per_user: int
+) -> tuple[TensorDataset, torch.Tensor, TensorDataset]:
+    """(the training verses of Exodus, the user of each, the held-out users' verses), from every verse's ids and
+    mask (`train_lm.encode_verses`)."""
     private = torch.arange(train_lm.GENESIS_VERSES, len(ids))
     users = (private - train_lm.GENESIS_VERSES) // verses_per_user
     held_out = users % 10 == 9  # every tenth user
     train, val = private[~held_out], private[held_out]
-    return TensorDataset(ids[train], mask[train]), users[~held_out], TensorDataset(ids[val], mask[val]), chars
+    return TensorDataset(ids[train], mask[train]), users[~held_out], TensorDataset(ids[val], mask[val])
 
 
-def fine_tune(model, records: TensorDataset, users: torch.Tensor | None, args: Namespace, label: str) -> dict:
-    """DP fine-tuning at the target epsilon: per user (`users` given) or per verse, at the same expected number
-    of verses per step."""
+def fine_tune(
+    model, records: TensorDataset, users: torch.Tensor, k: int, expected: int, args: Namespace, label: str
+) -> dict:
+    """DP fine-tuning at the target epsilon, each user's (up to `k`) verses clipped together, `expected` users a
+    step. A verse of its own user (`users` all distinct, k = 1) is example-level DP-SGD."""
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    units = flashdp.data.count_users(users) if users is not None else len(records)
-    verses_per_step = args.users_per_step * min(args.examples_per_user, args.verses_per_user)
-    expected = args.users_per_step if users is not None else verses_per_step
     engine = flashdp.make_private(
         model, mode=args.mode, max_grad_norm=args.max_grad_norm, target_epsilon=args.target_epsilon,
-        target_delta=train_lm.DELTA, steps=args.steps, sample_rate=expected / units, expected_batch_size=expected,
-        optimizer=optimizer,
+        target_delta=train_lm.DELTA, steps=args.steps, sample_rate=expected / flashdp.data.count_users(users),
+        expected_batch_size=expected, optimizer=optimizer,
     )  # fmt: skip
-    if users is None:
-        loader = ((batch, None) for batch in engine.data_loader(records, steps=args.steps))
-    else:
-        loader = engine.data_loader(records, users=users, examples_per_user=args.examples_per_user, steps=args.steps)
+    loader = engine.data_loader(records, users=users, examples_per_user=k, steps=args.steps)
     model.train()
     for (ids, mask), who in tqdm(loader, desc=label, unit="step", total=args.steps):
-        pieces = flashdp.micro_batches(((ids, mask), who), args.micro_batch, users=who) if who is not None else (
-            (part, None) for part in flashdp.micro_batches((ids, mask), args.micro_batch))  # fmt: skip
-        for (micro_ids, micro_mask), micro_users in pieces:
+        for (micro_ids, micro_mask), micro_users in flashdp.micro_batches(
+            ((ids, mask), who), args.micro_batch, users=who
+        ):
             if len(micro_ids) == 0:  # an empty Poisson batch: HF models cannot run a forward on zero rows
                 engine.backward_empty()
                 continue
@@ -101,20 +99,26 @@ def fine_tune(model, records: TensorDataset, users: torch.Tensor | None, args: N
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    records, users, held_out, chars = user_records(args.seq_len, args.verses_per_user)
+    ids, mask, chars = train_lm.encode_verses(args.seq_len)
+    records, users, held_out = user_records(ids, mask, args.verses_per_user)
     print(
         f"private: {len(records)} verses of Exodus by {flashdp.data.count_users(users)} users "
         f"({args.verses_per_user} consecutive verses each; {len(held_out)} verses of held-out users for validation)"
     )
-    ids, mask, _ = train_lm.encode_verses(args.seq_len)
     public = TensorDataset(ids[: train_lm.GENESIS_VERSES], mask[: train_lm.GENESIS_VERSES])
     pretrained = train_lm.build_model(len(chars) + 2, args)
     pretraining = train_lm.with_settings(args, batch_size=args.pretrain_batch_size, lr=args.pretrain_lr)
     train_lm.train(pretrained, public, pretraining, args.pretrain_steps, False, "pre-train (public)")
     summary = {"val_loss": {"public pre-training only": train_lm.validation_loss(pretrained, held_out)}}
-    for unit, unit_users in (("user", users), ("verse", None)):
+    k = args.examples_per_user
+    verses_per_step = args.users_per_step * min(k, args.verses_per_user)
+    units = {  # the same expected verses a step
+        "user": (users, k, args.users_per_step),
+        "verse": (torch.arange(len(records)), 1, verses_per_step),
+    }
+    for unit, (unit_users, unit_k, expected) in units.items():
         model = copy.deepcopy(pretrained)
-        run = fine_tune(model, records, unit_users, args, f"DP per {unit}")
+        run = fine_tune(model, records, unit_users, unit_k, expected, args, f"DP per {unit}")
         label = f"DP fine-tune, one {unit} protected"
         summary["val_loss"][label] = train_lm.validation_loss(model, held_out)
         summary[f"sigma per {unit}"], summary["epsilon"] = run["sigma"], run["epsilon"]

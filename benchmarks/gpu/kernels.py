@@ -4,10 +4,11 @@
     python benchmarks/gpu/kernels.py --quick      # fewer shapes
 
 1. Correctness: every kernel against float64, in float32 and bfloat16 (error at most 2x plain PyTorch's).
-2. Per-layer timings at Llama-8B shapes (d = 4096, p in {4096, 14336}, T in {512, 2048, 4096, 8192},
-   B in {1, 2, 4}, bf16) with triton.testing.do_bench: the direct and ghost norm kernels against
-   (a) materialising per-sample gradients with einsum, (b) ghost norm with full T x T Gram matrices (as Opacus),
-   (c) the layer's own non-private backward (dX and dW GEMMs); TFLOP/s of the direct kernel vs the dW GEMM.
+2. Per-layer timings at Llama-8B shapes (d = 4096, p in {4096, 14336}, T in {512, ..., 8192}, B in {1, 2, 4},
+   bf16) with triton.testing.do_bench: each kernel (direct norm, ghost norm, clipped sum) against the PyTorch
+   reference the engine runs with kernels="torch" (per-sample gradients by a 16-bit bmm with float32 output; Gram
+   matrices tiled along T; a float32 GEMM of the scaled factor), and the layer's own non-private backward (dX and dW
+   GEMMs); TFLOP/s of the direct kernel vs the dW GEMM. An OOM shows as nan.
 A full training step, side by side per mode, is `benchmarks/gpu/step.py`.
 Prints markdown tables for docs/benchmarks.md.
 """
@@ -62,48 +63,56 @@ def _rel(got: torch.Tensor, exact: torch.Tensor) -> float:
 def time_layers(quick: bool) -> None:
     d = 4096
     ps = (4096, 14336)
-    ts = (2048, 8192) if quick else (512, 2048, 4096, 8192)
+    ts = (1024, 2048, 8192) if quick else (512, 1024, 2048, 4096, 8192)
     bs = (1, 4) if quick else (1, 2, 4)
     print(
-        "\n| p | T | B | direct kernel | ghost kernel | einsum per-sample | full-Gram ghost | non-private bwd (dX+dW) "
-        "| direct TFLOP/s | dW GEMM TFLOP/s |\n|---|---|---|---|---|---|---|---|---|---|"
+        "\n| p | T | B | direct kernel | direct reference | ghost kernel | ghost reference | clipped-sum kernel "
+        "| clipped-sum reference | non-private bwd (dX+dW) | direct TFLOP/s | dW GEMM TFLOP/s |"
+        "\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for p in ps:
         for t in ts:
             for b in bs:
-                print(_time_layer(b, t, p, d))
+                print(_time_layer(b, t, p, d), flush=True)
 
 
 def _time_layer(b: int, t: int, p: int, d: int) -> str:
+    """Each op of `kernels="auto"`'s choice timed both ways: the Triton kernel and the PyTorch reference the
+    engine would run instead (`kernels="torch"`), at one layer shape in bf16."""
     from triton.testing import do_bench
 
+    from flashdp.kernels.clipped_sum import kernel as clipped_sum_kernel
+    from flashdp.kernels.clipped_sum import reference as clipped_sum_reference
     from flashdp.kernels.outer_norm import kernel as outer_norm_kernel
+    from flashdp.kernels.outer_norm import reference as outer_norm_reference
 
     weight = torch.randn(p, d, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(b, t, d, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(b, t, p, device="cuda", dtype=torch.bfloat16)
+    coef = torch.rand(b, device="cuda")
     g2, a2 = g.view(-1, p), a.view(-1, d)
-    direct = do_bench(lambda: outer_norm_kernel.direct_norm_sq(g, a))
-    ghost = do_bench(lambda: outer_norm_kernel.ghost_norm_sq(g, a))
-    einsum = _maybe(lambda: do_bench(lambda: torch.einsum("btp,btd->bpd", g, a).float().square().sum((1, 2))))
-    full_gram = _maybe(
-        lambda: do_bench(lambda: ((a @ a.transpose(1, 2)).float() * (g @ g.transpose(1, 2)).float()).sum((1, 2)))
-    )
-    backward = do_bench(lambda: (g2 @ weight, g2.T @ a2))
-    dw = do_bench(lambda: g2.T @ a2)
+    ops = [
+        lambda: outer_norm_kernel.direct_norm_sq(g, a),
+        lambda: outer_norm_reference.direct_norm_sq(g, a),
+        lambda: outer_norm_kernel.ghost_norm_sq(g, a),
+        lambda: outer_norm_reference.ghost_norm_sq(g, a),
+        lambda: clipped_sum_kernel.clipped_sum(g, a, coef),
+        lambda: clipped_sum_reference.clipped_sum(g, a, coef),
+        lambda: (g2 @ weight, g2.T @ a2),
+    ]
+    times = [_maybe(lambda op=op: do_bench(op)) for op in ops]
+    direct, dw = times[0], do_bench(lambda: g2.T @ a2)
     flops = 2 * b * t * p * d
-    return (
-        f"| {p} | {t} | {b} | {direct:.2f} ms | {ghost:.2f} ms | {einsum} | {full_gram} | {backward:.2f} ms "
-        f"| {flops / direct / 1e9:.0f} | {flops / dw / 1e9:.0f} |"
-    )
+    cells = " | ".join(f"{ms:.2f} ms" for ms in times)
+    return f"| {p} | {t} | {b} | {cells} | {flops / direct / 1e9:.0f} | {flops / dw / 1e9:.0f} |"
 
 
-def _maybe(run) -> str:
+def _maybe(run) -> float:
     try:
-        return f"{run():.2f} ms"
+        return run()
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
-        return "OOM"
+        return float("nan")
 
 
 def main() -> None:

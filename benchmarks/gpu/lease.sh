@@ -30,16 +30,17 @@ part() {  # part NAME SECONDS COMMAND...: run one part under a time limit, its o
 } >"$OUT/versions.log" 2>&1
 cat "$OUT/versions.log"
 STEP_ARGS=${STEP_ARGS:-}
-for name in ${PARTS:-kernels syncs step tests_kernels tests_cuda_only}; do
+for name in ${PARTS:-kernels syncs step autocast tests_kernels tests_cuda_only}; do
     case $name in
     kernels) part kernels 150 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/gpu/kernels.py --quick ;;
     syncs) part syncs 60 python3 benchmarks/gpu/syncs.py ;;
-    step) part step 200 python3 benchmarks/gpu/step.py --out "$OUT/step.jsonl" $STEP_ARGS ;;
+    autocast) part autocast 90 python3 benchmarks/gpu/autocast.py ;;
+    step) part step "${STEP_LIMIT:-200}" python3 benchmarks/gpu/step.py --out "$OUT/step.jsonl" $STEP_ARGS ;;
     tests_kernels) part tests_kernels 120 python3 -m pytest -q -p no:cacheprovider -p benchmarks.gpu.on_cuda -n 8 \
         tests/kernels --timeout 100 -rf ;;
     tests_cuda_only) part tests_cuda_only 90 python3 -m pytest -q -p no:cacheprovider -n 4 -k on_cuda \
         tests/rules/test_recurrent.py tests/rules/test_conv.py --timeout 80 -rf ;;
     esac
 done
-grep -hs "^| \|passed\|failed" "$OUT"/kernels.log "$OUT"/syncs.log "$OUT"/tests_*.log | tail -40
+grep -hs "^| \|passed\|failed" "$OUT"/kernels.log "$OUT"/syncs.log "$OUT"/autocast.log "$OUT"/tests_*.log | tail -60
 grep -hs '"mode"' "$OUT"/step.log | cut -c1-400

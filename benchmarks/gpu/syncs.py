@@ -39,7 +39,7 @@ def count(mode: str) -> tuple[int, int]:
             torch.cuda.set_sync_debug_mode("warn")
             run()
             torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        syncs = [w for w in caught if "called a synchronizing" in str(w.message)]  # not the "prototype" notice
         for w in syncs:  # where each came from: the Python line that called the syncing operation
             print(f"  {mode}: {w.filename}:{w.lineno}: {str(w.message)[:120]}", file=sys.stderr)
         counts.append(len(syncs))

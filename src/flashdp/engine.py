@@ -398,8 +398,9 @@ def make_private(
             generator (slower, not reproducible). A loader you build yourself samples as you built it.
         norm_strategy: "auto" picks, per layer and batch shape, the cheaper exact norm of a weight; "ghost" or
             "direct" force one (for benchmarks and tests).
-        kernels: "auto" (Triton on CUDA tensors, PyTorch otherwise), "triton" (everywhere it can run) or
-            "torch" (never). float64 inputs always use PyTorch.
+        kernels: "auto" (on CUDA tensors the Triton kernels measured faster than PyTorch on a GPU: ghost norms,
+            clipped sums, norm-layer affine gradients; PyTorch otherwise), "triton" (every kernel, everywhere it can
+            run) or "torch" (never). float64 inputs always use PyTorch.
         norm_group: a process group that splits each sample's computation (tensor parallel): squared norms are
             summed over it. Never a data-parallel group: norms are local to the rank that holds the sample.
         profile: print a per-phase time breakdown of every step to stderr (forward, norm pass, norm computation,

@@ -9,7 +9,7 @@ counts it is moved to the generic rule at the smallest module whose forward encl
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 from torch import nn
@@ -126,7 +126,8 @@ def _plan(modules: list[Site], views: dict[int, dict[str, ParamView]], learnt: L
     """Assign every trainable parameter to rule sites; hook the ancestors of rule sites as scopes."""
     moved = learnt.moved
     by_id = {id(s.module): s for s in modules}
-    descendants = {id(s.module): _descendant_views(s, by_id, views) for s in modules}
+    by_path = {s.path: s for s in modules}
+    descendants = _descendant_views(modules, by_path, views)
     taken: set[Hashable] = set()  # descendants' parameters a rule higher in the tree counts
     counted: dict[int, list[str]] = {}
     matches: dict[int, RuleMatch] = {}
@@ -168,7 +169,7 @@ def _plan(modules: list[Site], views: dict[int, dict[str, ParamView]], learnt: L
             + "\nFreeze them (p.requires_grad_(False)), or teach flashdp the layer with "
             "flashdp.register_rule(LayerType, per_sample_grads) before make_private."
         )
-    scope_ids = {id(s.module) for s in modules if any(_is_ancestor(s, by_id[i]) for i in counted)} - set(counted)
+    scope_ids = {id(a.module) for i in counted for a in _ancestors(by_id[i].path, by_path)} - set(counted)
     sites = {}
     for s in modules:
         if id(s.module) in counted:
@@ -192,20 +193,28 @@ def _once_per_key(names: list[str], own: dict[str, ParamView], below: dict[str, 
     return out
 
 
-def _descendant_views(site: Site, by_id: dict[int, Site], views: dict) -> dict[str, ParamView]:
-    """Trainable parameters of the module's descendants, by name relative to it."""
-    prefix = f"{site.path}." if site.path else ""
-    out = {}
-    for other in by_id.values():
-        if other is not site and _is_ancestor(site, other):
+def _descendant_views(modules: list[Site], by_path: dict[str, Site], views: dict) -> dict[int, dict[str, ParamView]]:
+    """Per module, the trainable parameters of its descendants by name relative to it (in module order): each
+    module's parameters handed to its ancestors, modules x depth steps (a plan is rebuilt for each thing learnt)."""
+    out: dict[int, dict[str, ParamView]] = {id(s.module): {} for s in modules}
+    for other in modules:
+        for ancestor in _ancestors(other.path, by_path):
+            prefix = f"{ancestor.path}." if ancestor.path else ""
+            below = out[id(ancestor.module)]
             for name, view in views[id(other.module)].items():
-                out.setdefault(f"{other.path}.{name}"[len(prefix) :], view)
+                below.setdefault(f"{other.path}.{name}"[len(prefix) :], view)
     return out
 
 
-def _is_ancestor(site: Site, other: Site) -> bool:
-    """Whether `other` is a strict descendant of `site`."""
-    return other is not site and (site.path == "" or other.path.startswith(f"{site.path}."))
+def _ancestors(path: str, by_path: dict[str, Site]) -> Iterator[Site]:
+    """The sites strictly above the module at `path` (the root's path is "")."""
+    if not path:
+        return
+    parts = path.split(".")
+    for depth in range(len(parts)):
+        above = by_path.get(".".join(parts[:depth]))
+        if above is not None:
+            yield above
 
 
 def _finish(

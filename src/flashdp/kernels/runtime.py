@@ -48,13 +48,14 @@ def backend(name: str) -> Scoped[str]:
     return Scoped(_backend, name)
 
 
-def use_triton(*tensors: Tensor) -> bool:
+def use_triton(*tensors: Tensor, auto: bool = True) -> bool:
     """Whether the current backend sends these inputs to a Triton kernel: inputs of one kernel dtype (`tl.dot` takes
-    operands of one dtype; mixed inputs go to the reference, which widens both exactly)."""
+    operands of one dtype; mixed inputs go to the reference, which widens both exactly). `auto`: whether backend
+    "auto" takes the kernel for CUDA tensors (False for a kernel measured slower than its reference on GPUs)."""
     name = _backend.get()
     dtypes = {t.dtype for t in tensors}
     if name == "torch" or len(dtypes) != 1 or not dtypes <= set(KERNEL_DTYPES):
         return False
     if name == "triton":
         return True
-    return triton_importable() and all(t.is_cuda for t in tensors)
+    return auto and triton_importable() and all(t.is_cuda for t in tensors)

@@ -5,10 +5,10 @@
 
 One model for every mode (same weights, hooks removed between modes by `engine.detach()`); per mode and shape:
 the median step time over `--steps` timed steps after two warm-up steps, and the peak memory allocated over the
-whole run of that mode, its first step included (weights counted). A mode may name the engine's kernels:
-`bk:torch`, `ghost:triton` (default "auto"). One JSON line per row is appended to `--out` as soon as it is measured,
-so that a run cut short keeps its figures. `--profile-mode bk` prints flashdp's per-phase breakdown of two more
-steps of that mode at the first shape (to stderr).
+whole run of that mode, its first step included (weights counted). A mode may name the engine's kernels and
+norm strategy: `bk:torch`, `ghost:triton`, `bk@ghost` (default "auto"). One JSON line per row is appended to
+`--out` as soon as it is measured, so that a run cut short keeps its figures. `--profile-mode bk` prints flashdp's
+per-phase breakdown of two more steps of that mode at the first shape (to stderr).
 """
 
 from __future__ import annotations
@@ -54,10 +54,11 @@ def measure(model: torch.nn.Module, mode: str, ids: torch.Tensor, steps: int, pr
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
     engine = None
     if mode != "non-private":
-        name, _, kernels = mode.partition(":")
+        spec, _, strategy = mode.partition("@")
+        name, _, kernels = spec.partition(":")
         engine = flashdp.make_private(
             model, mode=name, max_grad_norm=1.0, noise_multiplier=1.0, optimizer=opt,
-            expected_batch_size=len(ids), sample_rate=0.01, kernels=kernels or "auto",
+            expected_batch_size=len(ids), sample_rate=0.01, kernels=kernels or "auto", norm_strategy=strategy or "auto",
         )  # fmt: skip
 
     def step() -> None:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from flashdp.kernels.clipped_sum import kernel as clipped_sum
-from flashdp.kernels.configs import launch_config
+from flashdp.kernels.configs import LaunchConfig, launch_config
 from flashdp.kernels.norm_affine import kernel as norm_affine
 from flashdp.kernels.outer_norm import kernel as outer_norm
 
@@ -100,15 +100,16 @@ def launches() -> list[Launch]:
     for dtype in DTYPES:
         for name in KERNELS:
             config = launch_config(name, dtype, on_gpu=True)
-            for tiles in _constexprs(name, config.tile):
+            for tiles in _constexprs(name, config):
                 for warps, stages in config.warps_and_stages:
                     found[Launch(name, dtype, tuple(sorted(tiles.items())), warps, stages)] = None
     return list(found)
 
 
-def _constexprs(name: str, tile: int) -> list[dict[str, object]]:
+def _constexprs(name: str, config: LaunchConfig) -> list[dict[str, object]]:
     """The constexprs the launcher of `name` passes for each shape of the table (UPCAST: never on a GPU). For the
     linear layers the factors are the output gradient `[B, T, d_out]` and the input `[B, T, d_in]`."""
+    tile = config.tile
     if name == "norm_affine":
         return [
             {**norm_affine.norm_affine_tiles(t, d, tile), "RMS": rms, "HAS_BIAS": not rms}
@@ -118,7 +119,7 @@ def _constexprs(name: str, tile: int) -> list[dict[str, object]]:
     shapes = [(t, p, d) for d, p in LINEARS.values() for t in SEQUENCES]
     if name == "ghost_norm":
         return [{**outer_norm.ghost_tiles(t, p, d, tile, tile), "UPCAST": False} for t, p, d in shapes]
-    return [{**outer_norm.direct_tiles(t, p, d, tile), "UPCAST": False} for t, p, d in shapes]
+    return [{**outer_norm.direct_tiles(t, p, d, tile, config.t_tile), "UPCAST": False} for t, p, d in shapes]
 
 
 def compile_launch(launch: Launch, arch: int) -> Compiled:

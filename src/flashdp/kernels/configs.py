@@ -30,6 +30,12 @@ class LaunchConfig:
     tile: int
     #: `(num_warps, num_stages)` candidates, autotuned on CUDA; the first under the interpreter
     warps_and_stages: tuple[tuple[int, int], ...]
+    #: the largest tile along positions T, where it differs from `tile` (the GEMM's inner dim)
+    positions_tile: int | None = None
+
+    @property
+    def t_tile(self) -> int:
+        return self.positions_tile or self.tile
 
 
 #: (kernel, precision) -> configuration on CUDA; precision is "16-bit" (bf16, fp16) or "float32"
@@ -38,7 +44,10 @@ ON_GPU: dict[tuple[str, str], LaunchConfig] = {
     ("direct_norm", "float32"): LaunchConfig(32, ((4, 3), (8, 2))),
     ("ghost_norm", "16-bit"): LaunchConfig(64, ((8, 2), (8, 3))),
     ("ghost_norm", "float32"): LaunchConfig(32, ((4, 3), (8, 3))),
-    ("clipped_sum", "16-bit"): LaunchConfig(64, ((16, 2), (16, 3))),
+    # 128 x 128 output tiles over 32 positions: 360-440 TFLOP/s on an H200 at Llama shapes, 1.8-2x the 64-wide
+    # tiles' (benchmarks/gpu/sweep_clipped_sum.py, docs/benchmarks.md). Over 64 positions reached 380-550 but
+    # spills 40 bytes on sm_80 (triton 3.9); 4 warps spill on both
+    ("clipped_sum", "16-bit"): LaunchConfig(128, ((8, 4), (8, 3)), positions_tile=32),
     ("clipped_sum", "float32"): LaunchConfig(32, ((4, 3), (8, 3))),
     ("norm_affine", "16-bit"): LaunchConfig(4096, ((8, 1),)),
     ("norm_affine", "float32"): LaunchConfig(4096, ((8, 1),)),

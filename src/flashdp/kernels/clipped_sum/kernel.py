@@ -48,7 +48,8 @@ def clipped_sum(left: Tensor, right: Tensor, coef: Tensor, conv_groups: int = 1,
     configuration's)."""
     rows, t, p = left.shape
     d = right.shape[2]
-    tiles = direct_tiles(t, p, d, block or _CLIPPED_SUM.config(left.dtype).tile)
+    config = _CLIPPED_SUM.config(left.dtype)
+    tiles = direct_tiles(t, p, d, block or config.tile, block or config.t_tile)
     out = torch.full((conv_groups, p, d), float("nan"), device=left.device, dtype=torch.float32)
     coef = coef.to(device=left.device, dtype=torch.float32).contiguous()
     grid = (conv_groups, triton.cdiv(p, tiles["BP"]), triton.cdiv(d, tiles["BD"]))

@@ -38,9 +38,10 @@ def _direct_norm_kernel(
 _DIRECT = Launcher(_direct_norm_kernel, "direct_norm", key=["P", "D"])
 
 
-def direct_tiles(t: int, p: int, d: int, tile: int) -> dict[str, int]:
-    """The direct norm kernel's tiles for `[N, T, p]` and `[N, T, d]` factors."""
-    return {"BT": tile_size(t, tile), "BP": tile_size(p, tile), "BD": tile_size(d, tile)}
+def direct_tiles(t: int, p: int, d: int, tile: int, t_tile: int | None = None) -> dict[str, int]:
+    """The direct norm kernel's tiles for `[N, T, p]` and `[N, T, d]` factors (`t_tile`: the limit along T, default
+    `tile`)."""
+    return {"BT": tile_size(t, t_tile or tile), "BP": tile_size(p, tile), "BD": tile_size(d, tile)}
 
 
 def direct_norm_sq(left: Tensor, right: Tensor, block: int | None = None) -> Tensor:

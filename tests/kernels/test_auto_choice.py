@@ -31,7 +31,7 @@ def test_auto_runs_the_kernels_measured_faster_on_a_gpu(op):
         assert chosen.runs_kernel(_on_cuda(), _on_cuda()) is (AUTO_RUNS_KERNEL[op] and triton_importable())
         assert not chosen.runs_kernel(_on_cuda(torch.float64), _on_cuda(torch.float64))
         assert not chosen.runs_kernel(_on_cuda(torch.float32), _on_cuda(torch.bfloat16))
-        cpu = torch.zeros(1, dtype=torch.bfloat16)
+        cpu = torch.zeros(1, dtype=torch.bfloat16, device="cpu")
         assert not chosen.runs_kernel(cpu, cpu)
     with kernels.backend("triton"):
         assert chosen.runs_kernel(_on_cuda(), _on_cuda())

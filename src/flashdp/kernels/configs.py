@@ -9,7 +9,9 @@ tiles of them spill (the direct norm 632 bytes, the ghost norm 2,452, the clippe
 Candidates share a kernel's tile, which sets its grid and its output buffers; warps and stages do not. Spills
 depend on Triton's version as much as on the configuration: the candidates below compile without spills with triton
 3.6 (the H200 machine's, where 4 warps spilled up to 336 bytes of the clipped sum) and 3.9 (where 8 warps spilled 44
-bytes of it on sm_80).
+bytes of it on sm_80), with one known exception: the 16-bit clipped sum's 128 x 128 x 32 tiles spill 8 bytes on sm_80
+under triton 3.6 only (none on sm_90, none under 3.9; on the H200 they run 1.7x faster than the spill-free 64-wide
+tiles, and the A100 was not measured).
 
 Under Triton's CPU interpreter (tests) one configuration: 64-wide tiles (the interpreter's cost is per program and
 loop iteration), one warp setting.

@@ -17,7 +17,7 @@ def _on_cuda(dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:
 
 
 AUTO_RUNS_KERNEL = {
-    "outer_direct_norm_sq": False,  # a 16-bit bmm with float32 output was 1.3-2.8x faster on an H200
+    "outer_direct_norm_sq": False,  # a 16-bit bmm with float32 output was 1.2-2.8x faster on an H200
     "outer_ghost_norm_sq": True,
     "clipped_sum": True,  # the reference's float32 GEMM has no tensor cores: 4-5x slower
     "norm_affine_grads": True,

@@ -2,10 +2,13 @@
 
     python examples/hf_trainer.py                    # about a minute on 2 CPU cores
     python examples/hf_trainer.py --target-epsilon 3 --max-steps 200
+    torchrun --nproc_per_node 2 examples/hf_trainer.py                # 2 processes, DDP (gloo on CPU)
+    accelerate launch --num_processes 2 examples/hf_trainer.py --gpu  # 2 GPUs, DDP (NCCL)
 
 Each verse is one private record (characters as tokens; padding labelled -100, so it is not learnt). DPTrainer
 samples every step's batch with Poisson sampling, clips each verse's gradient, adds the noise, logs epsilon with
-the loss and saves the engine's state with each checkpoint (`--resume` continues from the last one).
+the loss and saves the engine's state with each checkpoint (`--resume` continues from the last one). On several
+processes every process samples the same batch and trains on its share of it (docs/guides/hf-transformers.md).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--output-dir", type=Path, default=Path("out/hf_trainer"))
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument("--gpu", action="store_true", help="train on the GPU(s), not the CPU")
     return parser.parse_args(argv)
 
 
@@ -73,13 +77,14 @@ def main(argv: list[str] | None = None) -> DPTrainer:
             logging_steps=max(1, args.max_steps // 10),
             save_steps=max(1, args.max_steps // 2),
             report_to=[],
-            use_cpu=True,
+            use_cpu=not args.gpu,
         ),
         train_dataset=records,
         privacy=PrivacyArguments(expected_batch_size=args.batch_size, target_epsilon=args.target_epsilon, delta=1e-5),
     )
     trainer.train(resume_from_checkpoint=True if args.resume else None)
-    print(f"epsilon {trainer.engine.epsilon(1e-5):.2f} at delta 1e-5 after {trainer.engine.steps} steps")
+    if trainer.is_world_process_zero():
+        print(f"epsilon {trainer.engine.epsilon(1e-5):.2f} at delta 1e-5 after {trainer.engine.steps} steps")
     return trainer
 
 

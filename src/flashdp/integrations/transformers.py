@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,7 @@ import flashdp
 from flashdp.data import count_users
 from flashdp.engine import DPEngine
 from flashdp.errors import FlashDPError
+from flashdp.integrations.shares import Piece, batch_size, first_row, rank_pieces
 
 #: the engine's state in a checkpoint folder, next to the model, optimizer and trainer state
 ENGINE_STATE = "flashdp_engine.pt"
@@ -84,8 +87,12 @@ class DPTrainer(Trainer):
     sample (`per_sample_loss`); TrainingArguments.max_grad_norm bounds each sample's gradient, never the batch's;
     no gradient statistic computed before the noise is logged; `epsilon` is logged with the loss; checkpoints
     carry the engine's state, and `train(resume_from_checkpoint=...)` resumes the accounting.
-    Refused: gradient_accumulation_steps > 1 (the logical batch is already sampled whole), and several
-    processes (DDP or FSDP under accelerate; use `flashdp.make_private` on the wrapped model, docs/distributed.md).
+    On several processes (`accelerate launch` or `torchrun`, DDP): every process samples the same logical batch (one
+    seed, shared), takes every world_size-th row of it, and runs as many micro-batches as the others (a padding row
+    weighted by 0 where it has no rows: `shares.py`); the engine, built on the DDP-wrapped model at the first step,
+    sums the clipped gradients over the processes and adds the noise once.
+    Refused: gradient_accumulation_steps > 1 (the logical batch is already sampled whole); on several processes,
+    FSDP and DeepSpeed, secure_rng and user_column (not yet supported there).
     """
 
     def __init__(self, *args: Any, privacy: PrivacyArguments, **kwargs: Any) -> None:
@@ -114,10 +121,7 @@ class DPTrainer(Trainer):
                 "accounting does not describe. Set gradient_accumulation_steps=1."
             )
         if args.world_size > 1:
-            raise FlashDPError(
-                f"DPTrainer runs on one process; this run has {args.world_size}. Under DDP or FSDP call "
-                "flashdp.make_private on the wrapped model in your own loop (see docs/distributed.md)."
-            )
+            self._check_several_processes()
         if args.fp16:
             raise FlashDPError(
                 "fp16=True scales the loss with a GradScaler that the per-sample clipping does not see. Use bf16=True "
@@ -143,6 +147,27 @@ class DPTrainer(Trainer):
                 f"expected_batch_size={self.privacy.expected_batch_size} exceeds the {self._units} {units}."
             )
 
+    def _check_several_processes(self) -> None:
+        world, privacy = self.args.world_size, self.privacy
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            raise FlashDPError(
+                f"DPTrainer on {world} processes runs under DDP; this run uses "
+                f"{'FSDP' if self.is_fsdp_enabled else 'DeepSpeed'}, which DPTrainer does not support yet. Launch "
+                "without it (DDP), or call flashdp.make_private on the FSDP-wrapped model in your own loop "
+                "(docs/distributed.md)."
+            )
+        if privacy.secure_rng:
+            raise FlashDPError(
+                f"secure_rng=True samples each batch from this process's OS CSPRNG, so the {world} processes would "
+                "sample different batches. On several processes use secure_rng=False (the sampling seed, drawn from "
+                "OS entropy when seed=None, is shared by the processes)."
+            )
+        if privacy.user_column is not None:
+            raise FlashDPError(
+                f"User-level privacy (user_column) runs on one process in DPTrainer; this run has {world}. Use one "
+                "process, or engine.backward(loss, users=...) in your own loop (docs/guides/user-level.md)."
+            )
+
     @functools.cached_property
     def _units(self) -> int:
         """How many units are sampled from: the training samples, or the users (counted once)."""
@@ -162,11 +187,12 @@ class DPTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         elif column is not None:
             dataset = _WithoutColumn(dataset, column)
+        self._sampled_from = dataset
         return flashdp.poisson_loader(
             dataset,
             self.sample_rate,
             collate_fn=self.data_collator,
-            seed=self.privacy.seed,
+            seed=self._sampling_seed(),
             secure_rng=self.privacy.secure_rng,
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
@@ -175,33 +201,53 @@ class DPTrainer(Trainer):
             users_key=column,
         )
 
+    def _sampling_seed(self) -> int | None:
+        """The seed of the sampling: PrivacyArguments.seed; on several processes, where every process must draw the
+        same batches, one drawn from OS entropy by the main process and shared when it is None."""
+        seed = self.privacy.seed
+        if seed is not None or self.args.world_size == 1:
+            return seed
+        shared = [secrets.randbits(63)]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        return shared[0]
+
     # -- the engine ---------------------------------------------------------------------------------------
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         """Trainer's scheduler over the torch optimizer, which the engine steps; the engine itself at the first
-        call, once Trainer will not change the optimizer. (Trainer creates a scheduler again on every train().)"""
+        call on one process, once Trainer will not change the optimizer, and at the first step on several (on the
+        model Trainer wrapped in DDP). (Trainer creates a scheduler again on every train().)"""
         torch_optimizer = optimizer or self._torch_optimizer()
         scheduler = super().create_scheduler(num_training_steps, torch_optimizer)
-        if self.engine is None:
-            self._make_private(num_training_steps, torch_optimizer)
+        if not any(isinstance(o, _EngineStep) for o in self._optimizer_chain()):
+            self._training_steps = num_training_steps
+            self.optimizer = _EngineStep(torch_optimizer, self)
+            if self.args.world_size == 1:
+                self._make_private(self.model)
         return scheduler
 
-    def _torch_optimizer(self) -> torch.optim.Optimizer:
-        if self.engine is not None:
-            return self.engine.optimizer
-        return getattr(self.optimizer, "optimizer", self.optimizer)  # (accelerate's wrapper holds it)
+    def _optimizer_chain(self) -> list[Any]:
+        """Trainer's optimizer and what it wraps (accelerate's wrapper, `_EngineStep`), down to the torch one."""
+        chain = [self.optimizer]
+        while getattr(chain[-1], "optimizer", None) is not None:
+            chain.append(chain[-1].optimizer)
+        return chain
 
-    def _make_private(self, num_training_steps: int, optimizer: torch.optim.Optimizer) -> None:
-        privacy = self.privacy
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer_chain()[-1]
+
+    def _make_private(self, model: nn.Module) -> None:
+        """The engine, on `model` as Trainer trains it (DDP-wrapped on several processes)."""
+        privacy, num_training_steps = self.privacy, self._training_steps
         self.engine = flashdp.make_private(
-            self.model,
+            model,
             mode=privacy.mode,
             max_grad_norm=privacy.max_grad_norm or self.args.max_grad_norm,
             noise_multiplier=privacy.noise_multiplier,
             target_epsilon=privacy.target_epsilon,
             target_delta=privacy.delta if privacy.target_epsilon is not None else None,
             steps=num_training_steps if privacy.target_epsilon is not None else None,
-            optimizer=optimizer,
+            optimizer=self._torch_optimizer(),
             expected_batch_size=privacy.expected_batch_size,
             sample_rate=self.sample_rate,
             clipping=privacy.clipping,
@@ -209,7 +255,6 @@ class DPTrainer(Trainer):
             seed=privacy.seed,
             secure_rng=privacy.secure_rng,
         )
-        self.optimizer = _EngineStep(self.optimizer, self.engine)
         if self._resume_dir is not None:
             self.engine.load_state_dict(_load_engine_state(self._resume_dir))
 
@@ -224,23 +269,45 @@ class DPTrainer(Trainer):
     # -- one step -----------------------------------------------------------------------------------------
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
-        """One logical batch, through micro-batches: the mean per-sample loss (0 for an empty batch)."""
+        """One logical batch, through micro-batches: the mean per-sample loss of this process's rows (0 for none)."""
         model.train()
         inputs = self._prepare_inputs(inputs)
+        if self.engine is None:
+            self._make_private(model)
         total, count = torch.zeros((), device=self.args.device), 0
         column = self.privacy.user_column
-        users = None if column is None else inputs[column]
-        for micro in flashdp.micro_batches(inputs, self.args.per_device_train_batch_size, users=users):
-            size = _batch_size(micro)
-            if size == 0:
+        for piece in self._pieces(inputs):
+            if piece.rows == 0 and self.args.world_size == 1:
                 self.engine.backward_empty()
                 continue
+            micro = dict(piece.inputs)
             micro_users = None if column is None else micro.pop(column)
             with self.compute_loss_context_manager():
                 loss = self.per_sample_loss(model, micro)
-            self.engine.backward(loss, users=micro_users)
-            total, count = total + loss.detach().sum(), count + size
+            self.engine.backward(loss if piece.rows else loss * piece.weight, users=micro_users)
+            if piece.rows:
+                total, count = total + loss.detach().sum(), count + piece.rows
         return total / max(count, 1)
+
+    def _pieces(self, inputs: dict[str, Any]) -> Iterator[Piece]:
+        """This process's micro-batches of the logical batch: on one process all of it (a user's rows together);
+        on several, its share, as many micro-batches as every other process (`shares.rank_pieces`)."""
+        size, world = self.args.per_device_train_batch_size, self.args.world_size
+        if world > 1:
+            padding = functools.partial(self._padding_row, inputs)
+            yield from rank_pieces(inputs, self.args.process_index, world, size, padding)
+            return
+        column = self.privacy.user_column
+        users = None if column is None else inputs[column]
+        for micro in flashdp.micro_batches(inputs, size, users=users):
+            yield Piece(micro, batch_size(micro))
+
+    def _padding_row(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A one-row batch whose loss is weighted by 0: the logical batch's first row, or the first training
+        example where the logical batch is empty."""
+        if batch_size(batch) > 0:
+            return first_row(batch)
+        return self._prepare_inputs(self.data_collator([self._sampled_from[0]]))
 
     def per_sample_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Tensor:
         """`[B]` losses, one per sample, from the model's logits and `inputs["labels"]`: the next-token loss of a
@@ -254,7 +321,7 @@ class DPTrainer(Trainer):
         labels = inputs["labels"]
         logits = model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
         if logits.dim() == 3 and labels.shape == logits.shape[:2]:
-            return flashdp.per_sample_lm_loss(logits, labels, shift=_is_causal_lm(model))
+            return flashdp.per_sample_lm_loss(logits, labels, shift=_is_causal_lm(self.accelerator.unwrap_model(model)))
         if logits.dim() == 2 and labels.shape == logits.shape[:1]:
             if logits.shape[1] == 1 and labels.is_floating_point():
                 return (logits[:, 0].float() - labels.float()).pow(2)
@@ -290,19 +357,19 @@ class _EngineStep:
     """The optimizer as Trainer sees it: `step()` is the engine's DP-SGD step (noise, averaging, the optimizer's
     step and zero_grad, the accountant); everything else is the optimizer's own."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: DPEngine) -> None:
-        self._optimizer, self._engine = optimizer, engine
+    def __init__(self, optimizer: torch.optim.Optimizer, trainer: DPTrainer) -> None:
+        self.optimizer, self._trainer = optimizer, trainer
 
     def step(self, closure: Any = None) -> None:
         if closure is not None:
             raise FlashDPError("DPTrainer's optimizer step takes no closure.")
-        self._engine.step()
+        self._trainer.engine.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._optimizer.zero_grad(set_to_none=set_to_none)
+        self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._optimizer, name)
+        return getattr(self.optimizer, name)
 
 
 class _WithoutColumn(torch.utils.data.Dataset):
@@ -360,10 +427,6 @@ def _is_causal_lm(model: nn.Module) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}
     return type(base).__name__ in names or type(base).__name__.endswith("ForCausalLM")
-
-
-def _batch_size(inputs: dict[str, Any]) -> int:
-    return next(len(v) for v in inputs.values() if isinstance(v, Tensor))
 
 
 def _is_datasets_dataset(dataset: object) -> bool:

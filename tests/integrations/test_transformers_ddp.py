@@ -1,0 +1,103 @@
+"""DPTrainer on 2 processes (DDP, gloo, CPU): every process samples the same logical batch, takes its share of it
+and pads where it has no rows, the engine sums the clipped gradients over the processes; the parameters equal those
+of the one-process DPTrainer with the same seed (same batches, same noise), and checkpoints resume the accounting."""
+
+import os
+
+import torch
+from transformers import default_data_collator
+
+import flashdp
+from flashdp import FlashDPError
+from flashdp.integrations.transformers import ENGINE_STATE, DPTrainer, PrivacyArguments
+from tests.distributed import launch
+from tests.integrations.test_transformers import training_args
+from tests.test_hf_models import VOCAB, gpt2
+
+N, T, EXPECTED, SEED, STEPS = 24, 6, 3, 5, 4
+
+
+def records() -> list[dict]:
+    ids = torch.randint(0, VOCAB, (N, T), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[::3, -2:] = -100
+    return [{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels, strict=True)]
+
+
+def _on_process(rank: int | None) -> dict:
+    """What torchrun sets for process `rank` of 2 (read by TrainingArguments), and the TrainingArguments of a run
+    on gloo; nothing for one process."""
+    if rank is None:
+        return {}
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    return {"ddp_backend": "gloo"}
+
+
+def _trainer(out: str, privacy: dict | None = None, data: list[dict] | None = None, **overrides) -> DPTrainer:
+    torch.manual_seed(0)
+    settings = {"expected_batch_size": EXPECTED, "noise_multiplier": 0.8, "seed": SEED, **(privacy or {})}
+    args = training_args(out, per_device_train_batch_size=1, max_steps=STEPS, **overrides)
+    arguments = PrivacyArguments(**settings)
+    return DPTrainer(model=gpt2(), args=args, train_dataset=data or records(), privacy=arguments)
+
+
+def _train(rank: int | None, out: str, resume: str | None = None, **overrides) -> dict:
+    """A DPTrainer run of STEPS steps (on process `rank` of 2, or alone): its parameters and accounting."""
+    trainer = _trainer(out, **_on_process(rank), **overrides)
+    trainer.train(resume_from_checkpoint=resume)
+    return {
+        "params": {name: p.detach().clone() for name, p in trainer.model.named_parameters()},
+        "steps": trainer.engine.steps,
+        "epsilon": trainer.engine.epsilon(1e-5),
+        "world": trainer.args.world_size,
+    }
+
+
+def test_the_sampled_batches_leave_a_process_without_rows():
+    """The premise of the next test (micro-batches of one row): a step of 3 rows (process 0 runs two micro-batches,
+    process 1 one and a padding row) and one of at most 1 row (a process with no rows runs a padding row)."""
+    loader = flashdp.poisson_loader(records(), EXPECTED / N, collate_fn=default_data_collator, seed=SEED)
+    sizes = [len(batch["labels"]) for _, batch in zip(range(STEPS), loader, strict=False)]
+    assert 3 in sizes and min(sizes) <= 1, sizes
+
+
+def test_two_ddp_processes_take_the_steps_of_one(tmp_path):
+    one = _train(None, str(tmp_path / "one"))
+    ranks = launch.run(_train, str(tmp_path / "ddp"))
+    assert [r["world"] for r in ranks] == [2, 2] and one["world"] == 1
+    for rank in ranks:
+        assert rank["steps"] == STEPS and rank["epsilon"] == one["epsilon"]
+        for name, p in one["params"].items():
+            torch.testing.assert_close(rank["params"][name], p, msg=name)
+
+
+def _resume(rank: int, out: str) -> dict:
+    """Steps 1-4 with checkpoints every 2 steps, then a new run resumed from step 2's checkpoint."""
+    whole = _train(rank, out, save_strategy="steps", save_steps=2)
+    checkpoint = os.path.join(out, "checkpoint-2")
+    saved = os.path.isfile(os.path.join(checkpoint, ENGINE_STATE))
+    torch.distributed.barrier()
+    resumed = _train(rank, out, resume=checkpoint, save_strategy="no")
+    return {"saved": saved, "whole": whole, "resumed": resumed}
+
+
+def test_a_run_on_two_processes_resumes_from_its_checkpoint(tmp_path):
+    for rank in launch.run(_resume, str(tmp_path)):
+        assert rank["saved"]
+        assert rank["resumed"]["steps"] == STEPS and rank["resumed"]["epsilon"] == rank["whole"]["epsilon"]
+
+
+def _refusal(rank: int, out: str, privacy: dict) -> str:
+    with_users = [{**record, "user": i // 2} for i, record in enumerate(records())]
+    try:
+        _trainer(out, privacy, with_users, **_on_process(rank))
+    except FlashDPError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_what_two_processes_cannot_do_yet_is_refused(tmp_path):
+    secure = launch.run(_refusal, str(tmp_path), {"secure_rng": True, "seed": None})
+    users = launch.run(_refusal, str(tmp_path), {"user_column": "user", "examples_per_user": 1})
+    assert all("would sample different batches" in message for message in secure), secure
+    assert all("runs on one process in DPTrainer" in message for message in users), users

@@ -124,8 +124,10 @@ class DPTrainer(Trainer):
             self._check_several_processes()
         if args.fp16:
             raise FlashDPError(
-                "fp16=True scales the loss with a GradScaler that the per-sample clipping does not see. Use bf16=True "
-                "(no scaler) or float32."
+                "fp16=True trains with a dynamic loss scale, which GradScaler lowers and whose steps it skips whenever "
+                "a gradient overflows: both depend on the private gradients outside the noise, so the epsilon would "
+                "not cover them (docs/guides/hf-transformers.md). Use bf16=True (float32's exponent range, no "
+                "scaler) or float32."
             )
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise FlashDPError("DPTrainer needs a train_dataset with a length (Poisson sampling draws from it).")

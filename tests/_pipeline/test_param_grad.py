@@ -67,13 +67,39 @@ def test_without_keep_for_sum_no_plan_is_kept():
 
 
 def test_half_precision_factors_accumulate_in_float32():
+    """The norms ghost and flash clip by, and bk's from factors it keeps (bk's kept bfloat16 per-sample gradients:
+    the next test)."""
     left = torch.randn(2, 300, 5).bfloat16()
     right = torch.randn(2, 300, 3).bfloat16()
     block = OuterGrad(left, right)
     exact = materialised(block).flatten(1).square().sum(1)
-    for strategy in ("ghost", "direct"):
+    for strategy, keep_for_sum in (("ghost", True), ("ghost", False), ("direct", False)):
         grad = ParamGradient("w", (5, 3), 2, strategy)
         grad.add(block, "test")
-        got = grad.norm_sq(keep_for_sum=True).norm_sq
+        got = grad.norm_sq(keep_for_sum=keep_for_sum).norm_sq
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_bk_keeps_a_bfloat16_layers_per_sample_gradients_in_bfloat16_and_clips_what_it_keeps():
+    """Half the memory of float32 for a bfloat16 layer's kept per-sample gradients, their norms taken of the
+    rounded values the clipped sum adds: every contribution within C; close to the float64 oracle."""
+    torch.manual_seed(0)
+    n, t, p, d, c = 6, 9, 4, 3, 0.5  # t (p + d) > p d: the direct norm, materialised
+    left = (torch.randn(n, t, p) * torch.logspace(-2, 2, n)[:, None, None]).bfloat16()
+    right = torch.randn(n, t, d).bfloat16()
+    grad = ParamGradient("w", (p, d), n)
+    grad.add(OuterGrad(left, right), "test")
+    norm = grad.norm_sq(keep_for_sum=True)
+    kept = norm.plan.per_sample
+    assert norm.strategy == "direct" and kept.dtype == torch.bfloat16
+    torch.testing.assert_close(norm.norm_sq.double(), kept.double().square().sum(1), rtol=1e-6, atol=0)
+    coef = (c / norm.norm_sq.sqrt()).clamp(max=1.0)
+    for b in range(n):
+        alone = torch.zeros(n)
+        alone[b] = coef[b]
+        assert norm.plan.clipped_sum(alone).double().norm() <= c * (1 + 1e-6)
+    exact = materialised(OuterGrad(left.double(), right.double()))
+    torch.testing.assert_close(
+        norm.plan.clipped_sum(coef).double(), torch.einsum("n,npd->pd", coef.double(), exact), rtol=1e-2, atol=1e-3
+    )

@@ -48,7 +48,10 @@ class ClippedSumPlan:
         if self.per_sample is not None:
             rows = self.per_sample
             rows = rows if rows.dim() == 2 else rows.reshape(len(coef), self.shape.numel())
-            parts.append(cast(coef, rows.dtype) @ rows)  # a GEMV, not a bmm
+            # a GEMV, not a bmm; 16-bit rows (kept bf16, `_rounded_for_keeping`) widened: a coefficient rounded to
+            # 16 bits could scale a sample's gradient past C
+            wide = accumulation_dtype(rows)
+            parts.append(cast(coef, wide) @ rows.to(wide))
         if self.factors is not None:
             f = self.factors
             parts.append(kernels.clipped_sum(f.left, f.right, coef, f.conv_groups))
@@ -203,7 +206,11 @@ class ParamGradient:
             if strategy == "direct" and (keep_for_sum or token_block is not None):
                 # materialised: kept for the bk sum, or needed for the cross term with a tied table
                 materialised = per_sample(factors.left, factors.right, dtype)
-                terms.append(sum_of_squares(materialised))
+                if token_block is None and factors.left.dtype == factors.right.dtype == torch.bfloat16:
+                    materialised, norm_sq = _kept_in_bfloat16(materialised)
+                    terms.append(norm_sq)
+                else:
+                    terms.append(sum_of_squares(materialised))
                 if token_block is not None:
                     terms.append(2 * outer_products.token_inner_with_per_sample(materialised, token_block))
                 factors = None
@@ -234,6 +241,15 @@ class ParamGradient:
             return self.strategy_choice
         p, d = factors.block_shape
         return outer_products.norm_strategy(factors.right.shape[1], p, d)
+
+
+def _kept_in_bfloat16(materialised: Tensor) -> tuple[Tensor, Tensor]:
+    """A bfloat16 layer's per-sample gradients `[N, p, d]` (computed in float32) as bk keeps them until its clipped
+    sum: in bfloat16, the precision of the layer's non-private gradient, in half the memory (bfloat16 has float32's
+    range). Returns them and their `[N]` squared norms, taken of the rounded values (in float32): the clipped sum
+    adds exactly the gradients whose norms were clipped, so each contribution stays within C."""
+    kept = materialised.to(torch.bfloat16)
+    return kept, sum_of_squares(materialised.copy_(kept))
 
 
 def _float64(block: OuterGrad) -> OuterGrad:

@@ -60,3 +60,18 @@ def test_backward_empty_refuses_a_recorded_forward_and_step_still_needs_a_backwa
     engine.backward_empty()  # the refused forward was dropped
     engine.step()
     assert engine.steps == 1
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_padding_backward_adds_nothing_and_counts_no_sample(mode):
+    """engine.backward_padding: the stand-in rows a rank without samples runs (DDP, FSDP) change no gradient and
+    are not counted in the step's batch."""
+    model = gpt2()
+    ids = torch.randint(0, VOCAB, (3, 6))
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=0.5, noise_multiplier=0.0)
+    engine.backward(lm_loss(model(ids, position_ids=positions(ids)).logits, ids))
+    clipped = [p.grad.clone() for p in model.parameters()]
+    stand_in = ids[:1]
+    engine.backward_padding(lm_loss(model(stand_in, position_ids=positions(stand_in)).logits, stand_in))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), clipped, strict=True))
+    assert engine.noisy_step._samples_since_step == 3

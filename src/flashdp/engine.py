@@ -161,6 +161,25 @@ class DPEngine:
             All of a user's rows of one step must be in one backward on one rank (else refused); an engine clips
             by user from its first backward on, or never (docs/guides/user-level.md).
         """
+        return self._backward(loss, users, counted=True)
+
+    def backward_padding(self, loss: Tensor) -> None:
+        """The backward of stand-in rows that a rank runs only to run the same passes as the other ranks (DDP,
+        FSDP: their collectives must match) where it has no samples for a micro-batch and the model cannot run a
+        forward on zero rows (HF transformers): `loss` `[b]` the stand-ins' per-sample losses, after their forward.
+        Their losses are weighted by exactly 0 here, so they add nothing to `.grad` and count as no samples (the
+        checks of the step's batch size see none); their norms are checked to be 0. Not for user-level clipping.
+        """
+        norms = self._backward(loss * 0.0, None, counted=False)
+        if bool((norms != 0).any()):  # (a padding micro-batch is rare: this sync costs nothing in a steady step)
+            raise FlashDPError(
+                f"engine.backward_padding: the stand-in rows' gradients of a loss weighted by 0 have norms "
+                f"{norms.tolist()}, not 0: a loss that is not finite (0 * inf is NaN)? Pad with a row whose loss is "
+                "finite (a copy of a real one)."
+            )
+
+    def _backward(self, loss: Tensor, users: Tensor | None, counted: bool) -> Tensor:
+        """`backward`; `counted`: whether its rows count as samples of the step."""
         loss, forward = self._take_forward(loss, check_provenance=True)
         self._attachment.grad_writes.check_no_gradient_hooks()
         batch = loss.shape[0]
@@ -181,7 +200,7 @@ class DPEngine:
         self._users.clipped(clipping)
         provenance = self._attachment.provenance
         provenance.record(self._adapter.accumulated_gradients(self._known.plan.params))
-        self.noisy_step.backward_done(units)
+        self.noisy_step.backward_done(units if counted else 0)
         unit_norms = clip_norms_sq.sum(0).sqrt().float()
         return unit_norms if groups is None else groups.per_row(unit_norms)
 

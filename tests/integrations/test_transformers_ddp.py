@@ -4,6 +4,7 @@ of the one-process DPTrainer with the same seed (same batches, same noise), and 
 
 import os
 
+import pytest
 import torch
 from transformers import default_data_collator
 
@@ -33,16 +34,20 @@ def _on_process(rank: int | None) -> dict:
     return {"ddp_backend": "gloo"}
 
 
-def _trainer(out: str, privacy: dict | None = None, data: list[dict] | None = None, **overrides) -> DPTrainer:
+def _trainer(
+    out: str, privacy: dict | None = None, data: list[dict] | None = None, collator=None, **overrides
+) -> DPTrainer:
     torch.manual_seed(0)
     settings = {"expected_batch_size": EXPECTED, "noise_multiplier": 0.8, "seed": SEED, **(privacy or {})}
-    args = training_args(out, per_device_train_batch_size=1, max_steps=STEPS, **overrides)
+    args = training_args(out, **{"per_device_train_batch_size": 1, "max_steps": STEPS, **overrides})
     arguments = PrivacyArguments(**settings)
-    return DPTrainer(model=gpt2(), args=args, train_dataset=data or records(), privacy=arguments)
+    data = data or records()
+    return DPTrainer(model=gpt2(), args=args, train_dataset=data, data_collator=collator, privacy=arguments)
 
 
 def _train(rank: int | None, out: str, resume: str | None = None, **overrides) -> dict:
-    """A DPTrainer run of STEPS steps (on process `rank` of 2, or alone): its parameters and accounting."""
+    """A DPTrainer run of STEPS steps (on process `rank` of 2, or alone): its parameters, accounting and the
+    losses it logged."""
     trainer = _trainer(out, **_on_process(rank), **overrides)
     trainer.train(resume_from_checkpoint=resume)
     return {
@@ -50,7 +55,18 @@ def _train(rank: int | None, out: str, resume: str | None = None, **overrides) -
         "steps": trainer.engine.steps,
         "epsilon": trainer.engine.epsilon(1e-5),
         "world": trainer.args.world_size,
+        "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
     }
+
+
+def _assert_same_run(ranks: list[dict], one: dict) -> None:
+    assert [r["world"] for r in ranks] == [2, 2] and one["world"] == 1
+    for rank in ranks:
+        assert rank["steps"] == one["steps"] and rank["epsilon"] == one["epsilon"]
+        for name, p in one["params"].items():
+            torch.testing.assert_close(rank["params"][name], p, msg=name)
+    # the logged loss is the batch's mean per-sample loss, as on one process (0 for an empty batch)
+    assert ranks[0]["losses"] == pytest.approx(one["losses"], rel=1e-5)
 
 
 def test_the_sampled_batches_leave_a_process_without_rows():
@@ -63,12 +79,30 @@ def test_the_sampled_batches_leave_a_process_without_rows():
 
 def test_two_ddp_processes_take_the_steps_of_one(tmp_path):
     one = _train(None, str(tmp_path / "one"))
-    ranks = launch.run(_train, str(tmp_path / "ddp"))
-    assert [r["world"] for r in ranks] == [2, 2] and one["world"] == 1
-    for rank in ranks:
-        assert rank["steps"] == STEPS and rank["epsilon"] == one["epsilon"]
-        for name, p in one["params"].items():
-            torch.testing.assert_close(rank["params"][name], p, msg=name)
+    _assert_same_run(launch.run(_train, str(tmp_path / "ddp")), one)
+    assert one["steps"] == STEPS
+
+
+def masking_collator(examples: list[dict]) -> dict:
+    """A collator that draws, as masked-LM ones do: each label hidden with probability 0.3."""
+    batch = default_data_collator(examples)
+    batch["labels"] = batch["labels"].masked_fill(torch.rand(batch["labels"].shape) < 0.3, -100)
+    return batch
+
+
+def _train_masked(rank: int | None, out: str) -> dict:
+    """Steps from Poisson batches of 1 row in expectation (some empty), through `masking_collator`."""
+    return _train(rank, out, privacy={"expected_batch_size": 1}, collator=masking_collator, max_steps=6)
+
+
+def test_a_collator_that_draws_sees_the_same_draws_on_two_processes(tmp_path):
+    """A process with no rows of an empty batch collates a padding row that no other process collates: its draws
+    must not shift the draws of later batches (every process collates the next batches alike)."""
+    loader = flashdp.poisson_loader(records(), 1 / N, collate_fn=default_data_collator, seed=SEED)
+    sizes = [len(batch["labels"]) for _, batch in zip(range(6), loader, strict=False)]
+    assert 0 in sizes[:-1] and max(sizes[sizes.index(0) :]) > 0, sizes  # an empty batch, a batch after it
+    one = _train_masked(None, str(tmp_path / "one"))
+    _assert_same_run(launch.run(_train_masked, str(tmp_path / "ddp")), one)
 
 
 def _resume(rank: int, out: str) -> dict:

@@ -1,30 +1,28 @@
 """A logical batch split over data-parallel ranks (DPTrainer on several processes): each rank takes every
 `world`-th row, in micro-batches, AS MANY on every rank and none empty, so that every rank runs the same forward and
 backward passes (their collectives must match) on models that cannot run a forward on zero rows (HF transformers).
-A micro-batch a rank has no rows for is one padding row instead, whose loss is weighted by exactly 0: its gradient is
-exactly zero, so it adds nothing to the clipped sum and the privacy accounting is unchanged.
+A micro-batch a rank has no rows for is one padding row instead, run through `engine.backward_padding`: its loss
+weighted by exactly 0, its gradient exactly zero (checked), it adds nothing and counts as no sample.
 """
 
 from __future__ import annotations
 
+import contextlib
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One micro-batch of this rank: `rows` real rows, or (rows = 0) one padding row to weight by 0."""
+    """One micro-batch of this rank: `rows` real rows, or (rows = 0) one padding row."""
 
     inputs: dict[str, Any]
     rows: int
-
-    @property
-    def weight(self) -> float:
-        """The factor of the micro-batch's per-sample losses: 1 for real rows, 0 for a padding row."""
-        return 1.0 if self.rows else 0.0
 
 
 def batch_size(inputs: dict[str, Any]) -> int:
@@ -49,6 +47,28 @@ def rank_pieces(
             yield Piece(_rows(share, share_size, part), part.stop - part.start)
         else:
             yield Piece(padding_row(), 0)
+
+
+@contextlib.contextmanager
+def untouched_rng() -> Iterator[None]:
+    """Inside, draws from torch's CPU generator, Python's `random` and numpy's global generator are undone after:
+    a padding row collated on one process only must not shift the draws every process makes alike."""
+    python_state = random.getstate()
+    numpy = _numpy()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(python_state)
+    if numpy is not None:
+        numpy.random.set_state(numpy_state)
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
 
 
 def first_row(batch: dict[str, Any]) -> dict[str, Any]:

@@ -35,7 +35,7 @@ import flashdp
 from flashdp.data import count_users
 from flashdp.engine import DPEngine
 from flashdp.errors import FlashDPError
-from flashdp.integrations.shares import Piece, batch_size, first_row, rank_pieces
+from flashdp.integrations.shares import Piece, batch_size, first_row, rank_pieces, untouched_rng
 
 #: the engine's state in a checkpoint folder, next to the model, optimizer and trainer state
 ENGINE_STATE = "flashdp_engine.pt"
@@ -271,12 +271,14 @@ class DPTrainer(Trainer):
     # -- one step -----------------------------------------------------------------------------------------
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Tensor:
-        """One logical batch, through micro-batches: the mean per-sample loss of this process's rows (0 for none)."""
+        """One logical batch, through micro-batches. Returns this process's share of the batch's mean per-sample
+        loss (its rows' losses over the batch's size, times the processes, which Trainer averages over): the mean
+        loss of the batch once averaged, 0 for an empty batch."""
         model.train()
         inputs = self._prepare_inputs(inputs)
         if self.engine is None:
             self._make_private(model)
-        total, count = torch.zeros((), device=self.args.device), 0
+        total = torch.zeros((), device=self.args.device)
         column = self.privacy.user_column
         for piece in self._pieces(inputs):
             if piece.rows == 0 and self.args.world_size == 1:
@@ -286,10 +288,12 @@ class DPTrainer(Trainer):
             micro_users = None if column is None else micro.pop(column)
             with self.compute_loss_context_manager():
                 loss = self.per_sample_loss(model, micro)
-            self.engine.backward(loss if piece.rows else loss * piece.weight, users=micro_users)
             if piece.rows:
-                total, count = total + loss.detach().sum(), count + piece.rows
-        return total / max(count, 1)
+                self.engine.backward(loss, users=micro_users)
+                total = total + loss.detach().sum()
+            else:
+                self.engine.backward_padding(loss)
+        return total * self.args.world_size / max(batch_size(inputs), 1)
 
     def _pieces(self, inputs: dict[str, Any]) -> Iterator[Piece]:
         """This process's micro-batches of the logical batch: on one process all of it (a user's rows together);
@@ -309,7 +313,8 @@ class DPTrainer(Trainer):
         example where the logical batch is empty."""
         if batch_size(batch) > 0:
             return first_row(batch)
-        return self._prepare_inputs(self.data_collator([self._sampled_from[0]]))
+        with untouched_rng():  # (a collator that draws, as masked-LM ones do, must not shift this process's draws)
+            return self._prepare_inputs(self.data_collator([self._sampled_from[0]]))
 
     def per_sample_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Tensor:
         """`[B]` losses, one per sample, from the model's logits and `inputs["labels"]`: the next-token loss of a

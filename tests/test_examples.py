@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -90,3 +91,23 @@ def test_user_level_lm_runs():
     }  # fmt: skip
     assert all(math.isfinite(loss) for loss in summary["val_loss"].values())
     assert summary["sigma per user"] > 0 and summary["sigma per verse"] > 0
+
+
+def _hf_trainer_on_a_process(rank: int, out: str) -> dict:
+    """The HF Trainer example on process `rank` of 2, as `torchrun --nproc_per_node 2` starts it."""
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    tiny = ["--max-steps", "2", "--batch-size", "4", "--micro-batch", "2", "--seq-len", "8", "--d-model", "16",
+            "--layers", "1", "--target-epsilon", "20", "--output-dir", out]  # fmt: skip
+    trainer = _load("hf_trainer").main(tiny)
+    return {"world": trainer.args.world_size, "steps": trainer.engine.steps, "params": list(trainer.model.parameters())}
+
+
+def test_hf_trainer_example_runs_on_two_processes(tmp_path):
+    from tests.distributed import launch
+
+    ranks = launch.run(_hf_trainer_on_a_process, str(tmp_path))
+    assert [r["world"] for r in ranks] == [2, 2] and [r["steps"] for r in ranks] == [2, 2]
+    for p, q in zip(*(r["params"] for r in ranks), strict=True):
+        assert torch.equal(p, q), "the processes hold the same model"

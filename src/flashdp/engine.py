@@ -170,7 +170,9 @@ class DPEngine:
         Their losses are weighted by exactly 0 here, so they add nothing to `.grad` and count as no samples (the
         checks of the step's batch size see none); their norms are checked to be 0. Not for user-level clipping.
         """
+        skipped = self._skipped_samples
         norms = self._backward(loss * 0.0, None, counted=False)
+        self._skipped_samples = skipped  # (stand-ins are no samples, skipped or not)
         if bool((norms != 0).any()):  # (a padding micro-batch is rare: this sync costs nothing in a steady step)
             raise FlashDPError(
                 f"engine.backward_padding: the stand-in rows' gradients of a loss weighted by 0 have norms "

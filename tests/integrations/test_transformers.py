@@ -171,6 +171,7 @@ def test_a_second_train_call_continues_with_the_same_engine(tmp_path):
         ({}, {"user_column": "input_ids"}, "needs both PrivacyArguments.user_column and examples_per_user"),
         ({}, {"user_column": "input_ids", "examples_per_user": 2}, r"one integer user id per example; example 0 has"),
         ({}, {"user_column": "user", "examples_per_user": 2}, "the training examples have no such column"),
+        ({"label_smoothing_factor": 0.1}, {}, "would be ignored: label_smoothing_factor"),
     ],
 )
 def test_settings_dp_cannot_honour_are_refused(tmp_path, overrides, privacy, message):
@@ -179,3 +180,23 @@ def test_settings_dp_cannot_honour_are_refused(tmp_path, overrides, privacy, mes
         DPTrainer(
             model=gpt2(), args=training_args(tmp_path, **overrides), train_dataset=lm_records(), privacy=arguments
         )
+
+
+def test_a_loss_per_sample_loss_would_not_compute_is_refused_unless_it_is_overridden(tmp_path):
+    privacy = PrivacyArguments(expected_batch_size=4, noise_multiplier=1.0)
+    with pytest.raises(FlashDPError, match="would be ignored: compute_loss_func"):
+        DPTrainer(
+            model=gpt2(), args=training_args(tmp_path), train_dataset=lm_records(), privacy=privacy,
+            compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum(),
+        )  # fmt: skip
+    mixture = gpt2()
+    mixture.config.output_router_logits = True
+    with pytest.raises(FlashDPError, match=r"auxiliary \(load-balancing\) loss is a statistic of the whole batch"):
+        DPTrainer(model=mixture, args=training_args(tmp_path), train_dataset=lm_records(), privacy=privacy)
+
+    class Smoothed(DPTrainer):
+        def per_sample_loss(self, model, inputs):
+            return super().per_sample_loss(model, inputs)  # (a user's own loss would apply the smoothing)
+
+    args = training_args(tmp_path, label_smoothing_factor=0.1)
+    Smoothed(model=gpt2(), args=args, train_dataset=lm_records(), privacy=privacy)  # accepted

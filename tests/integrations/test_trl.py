@@ -105,7 +105,27 @@ def test_a_lora_adapter_is_all_that_trains(tmp_path):
     assert sft.engine.steps == 3
 
 
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"loss_type": "dft"}, "would be ignored: loss_type"),
+        ({"label_smoothing_factor": 0.2}, "would be ignored: label_smoothing_factor"),
+    ],
+)
+def test_settings_of_a_loss_dpsft_does_not_compute_are_refused(tmp_path, setting, message):
+    with pytest.raises(FlashDPError, match=message):
+        trainer(tmp_path, **setting)
+
+
 @pytest.mark.parametrize("option", ["packing", "padding_free"])
 def test_several_records_in_one_row_are_refused(tmp_path, option):
     with pytest.raises(FlashDPError, match=f"{option}=True\\) puts several training records in one row"):
         trainer(tmp_path, **{option: True}, **({"max_length": None} if option == "padding_free" else {}))
+
+
+def test_activation_offloading_is_refused(tmp_path):
+    """(SFTTrainer itself builds offloading only on CUDA: the check is called on a trainer built without it.)"""
+    sft = trainer(tmp_path)
+    sft.args.activation_offloading = True
+    with pytest.raises(FlashDPError, match=r"activation_offloading=True\) is not supported"):
+        sft._check_arguments()

@@ -131,6 +131,8 @@ class DPTrainer(Trainer):
             )
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             raise FlashDPError("DPTrainer needs a train_dataset with a length (Poisson sampling draws from it).")
+        if type(self).per_sample_loss is DPTrainer.per_sample_loss:
+            self._check_losses_it_computes()
         c_trainer, c_privacy = args.max_grad_norm, self.privacy.max_grad_norm
         if c_privacy is not None and c_trainer not in (0, None, c_privacy):
             raise FlashDPError(
@@ -147,6 +149,30 @@ class DPTrainer(Trainer):
             units = "training samples" if self._users is None else "users"
             raise FlashDPError(
                 f"expected_batch_size={self.privacy.expected_batch_size} exceeds the {self._units} {units}."
+            )
+
+    def _check_losses_it_computes(self) -> None:
+        """Settings that change Trainer's loss, which `per_sample_loss` (plain cross entropy or squared error per
+        sample) would silently not apply."""
+        args = self.args
+        ignored = {
+            "label_smoothing_factor": args.label_smoothing_factor != 0,
+            "compute_loss_func": self.compute_loss_func is not None,
+            "use_liger_kernel": bool(getattr(args, "use_liger_kernel", False)),
+            "loss_type": getattr(args, "loss_type", "nll") not in ("nll", None),  # (TRL's SFTConfig)
+        }
+        if any(ignored.values()):
+            names = ", ".join(name for name, on in ignored.items() if on)
+            raise FlashDPError(
+                f"DPTrainer computes one loss per sample itself (per_sample_loss: cross entropy, or squared error for "
+                f"regression), so these settings would be ignored: {names}. Remove them, or override "
+                "per_sample_loss(model, inputs) to return the [B] losses you want."
+            )
+        if getattr(getattr(self.model, "config", None), "output_router_logits", False):
+            raise FlashDPError(
+                "The model's config has output_router_logits=True: its router's auxiliary (load-balancing) loss is a "
+                "statistic of the whole batch, which mixes samples, so no sample's gradient could be clipped alone. "
+                "Set model.config.output_router_logits = False."
             )
 
     def _check_several_processes(self) -> None:

@@ -17,7 +17,9 @@ tokenizing, chat templates, completion-only and assistant-only label masks, PEFT
 The privacy unit is one record of the training set. Each record's loss is the mean next-token loss over its
 labelled tokens (the completion only, by default for prompt-completion records, as TRL's own loss for a batch of
 one). Refused: `packing=True` and `padding_free=True`, which put several records in one row (their gradients could
-no longer be told apart, so no record's would be clipped). Needs `trl` (not a dependency of flashdp).
+no longer be told apart, so no record's would be clipped); `activation_offloading=True`; settings of a loss
+DPTrainer does not compute (`loss_type` other than "nll", label smoothing, `compute_loss_func`, the router's
+auxiliary loss), unless `per_sample_loss` is overridden. Needs `trl` (not a dependency of flashdp).
 """
 
 from __future__ import annotations
@@ -41,4 +43,9 @@ class DPSFTTrainer(DPTrainer, SFTTrainer):
                     f"Set {option}=False (each row one record, padded), or make the privacy unit the row by packing "
                     "the dataset yourself before training, one packed row per record."
                 )
+        if getattr(self.args, "activation_offloading", False):
+            raise FlashDPError(
+                "SFTConfig(activation_offloading=True) is not supported by DPSFTTrainer: its training step replaces "
+                "SFTTrainer's, which offloads. Set activation_offloading=False (gradient checkpointing works)."
+            )
         super()._check_arguments()

@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from flashdp.integrations.transformers import DPTrainer, PrivacyArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples.hf_trainer import PAD, exodus_records
+from examples.hf_trainer import exodus_records, gpt2
 
 
 class StepTimes(TrainerCallback):
@@ -70,12 +70,7 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true")
     args = parser.parse_args()
     records, vocab = exodus_records(args.seq_len)
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=vocab, n_positions=args.seq_len, n_embd=args.d_model, n_layer=args.layers, n_head=4,
-        bos_token_id=PAD, eos_token_id=PAD, pad_token_id=PAD,
-    )  # fmt: skip
-    model = GPT2LMHeadModel(config)
+    model = gpt2(vocab, args.seq_len, args.d_model, args.layers)
     times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(args.rounds):
         for private in (False, True):

@@ -57,16 +57,21 @@ def exodus_records(seq_len: int) -> tuple[list[dict], int]:
     return records, len(chars) + 1
 
 
+def gpt2(vocab: int, seq_len: int, d_model: int, layers: int) -> GPT2LMHeadModel:
+    """A small GPT-2 over the characters, seeded (every process builds the same)."""
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=vocab, n_positions=seq_len, n_embd=d_model, n_layer=layers, n_head=4,
+        bos_token_id=PAD, eos_token_id=PAD, pad_token_id=PAD,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
 def main(argv: list[str] | None = None) -> DPTrainer:
     args = parse_args(argv)
     records, vocab = exodus_records(args.seq_len)
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=vocab, n_positions=args.seq_len, n_embd=args.d_model, n_layer=args.layers, n_head=4,
-        bos_token_id=PAD, eos_token_id=PAD, pad_token_id=PAD,
-    )  # fmt: skip
     trainer = DPTrainer(
-        model=GPT2LMHeadModel(config),
+        model=gpt2(vocab, args.seq_len, args.d_model, args.layers),
         args=TrainingArguments(
             output_dir=str(args.output_dir),
             per_device_train_batch_size=args.micro_batch,

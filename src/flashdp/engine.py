@@ -30,7 +30,7 @@ from flashdp._pipeline.recorder import Forward
 from flashdp._pipeline.settings import DEFAULT_SELF_CHECK_INTERVAL, EngineSettings, Mode, NonFinite
 from flashdp._pipeline.users import UserGroups, UserLedger
 from flashdp.data import check_loader_rate, count_users, poisson_loader
-from flashdp.distributed import adapter_for
+from flashdp.distributed import Adapter, adapter_for
 from flashdp.distributed.checks import check_norm_group, check_same_samples
 from flashdp.errors import FlashDPError
 from flashdp.kernels import Backend
@@ -78,8 +78,8 @@ class DPEngine:
         if optimizer is not None:
             guards.check_optimizer(optimizer, model)
         resolved = privacy.resolve()
-        self._norm_group_checked = self._checked_norm_group(norm_group)
-        noise = self._noise_source()  # (before the adapter changes anything on a wrapper)
+        self._norm_group_checked = _checked_norm_group(norm_group, self._adapter)
+        noise = _noise_source(settings, self._adapter)  # (before the adapter changes anything on a wrapper)
         self._attachment = Attachment(self, model, plan, self._adapter, self._timer, trains)
         provenance = self._attachment.provenance
         self._sums = clipped_sums_for(settings, self._adapter, self._attachment.grad_writes)
@@ -99,22 +99,6 @@ class DPEngine:
         self._last_loss_node: int | None = None
         self._skipped_samples = 0
         self._users = UserLedger()
-
-    def _checked_norm_group(self, norm_group: dist.ProcessGroup | None) -> bool:
-        """Whether nothing is left to check of the norm group (its samples are checked at the first backward)."""
-        if norm_group is None:
-            return True
-        if not dist.is_initialized():
-            raise FlashDPError("norm_group needs torch.distributed to be initialised (dist.init_process_group).")
-        check_norm_group(norm_group, self._adapter.dp_group)
-        return False
-
-    def _noise_source(self) -> NoiseSource:
-        if self.settings.secure_rng:
-            return NoiseSource(None, "secure")
-        seed = self.settings.seed
-        drawn = secrets.randbits(63) if seed is None else seed
-        return NoiseSource(self._adapter.noise_seed(drawn), "secret" if seed is None else "seeded")
 
     def _commit(self, known: Knowledge) -> None:
         """Trust `known` from now on: the next forward is recorded under its plan, the step noises its parameters."""
@@ -173,12 +157,7 @@ class DPEngine:
         skipped = self._skipped_samples
         norms = self._backward(loss * 0.0, None, counted=False)
         self._skipped_samples = skipped  # (stand-ins are no samples, skipped or not)
-        if bool((norms != 0).any()):  # (a padding micro-batch is rare: this sync costs nothing in a steady step)
-            raise FlashDPError(
-                f"engine.backward_padding: the stand-in rows' gradients of a loss weighted by 0 have norms "
-                f"{norms.tolist()}, not 0: a loss that is not finite (0 * inf is NaN)? Pad with a row whose loss is "
-                "finite (a copy of a real one)."
-            )
+        _check_padding_norms(norms)
 
     def _backward(self, loss: Tensor, users: Tensor | None, counted: bool) -> Tensor:
         """`backward`; `counted`: whether its rows count as samples of the step."""
@@ -367,6 +346,33 @@ class DPEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.detach()
+
+
+def _checked_norm_group(norm_group: dist.ProcessGroup | None, adapter: Adapter) -> bool:
+    """Whether nothing is left to check of the norm group (its samples are checked at the first backward)."""
+    if norm_group is None:
+        return True
+    if not dist.is_initialized():
+        raise FlashDPError("norm_group needs torch.distributed to be initialised (dist.init_process_group).")
+    check_norm_group(norm_group, adapter.dp_group)
+    return False
+
+
+def _noise_source(settings: EngineSettings, adapter: Adapter) -> NoiseSource:
+    if settings.secure_rng:
+        return NoiseSource(None, "secure")
+    drawn = secrets.randbits(63) if settings.seed is None else settings.seed
+    return NoiseSource(adapter.noise_seed(drawn), "secret" if settings.seed is None else "seeded")
+
+
+def _check_padding_norms(norms: Tensor) -> None:
+    """The norms of stand-in rows whose loss was weighted by 0: exactly 0, else refused."""
+    if bool((norms != 0).any()):  # (a padding micro-batch is rare: this sync costs nothing in a steady step)
+        raise FlashDPError(
+            f"engine.backward_padding: the stand-in rows' gradients of a loss weighted by 0 have norms "
+            f"{norms.tolist()}, not 0: a loss that is not finite (0 * inf is NaN)? Pad with a row whose loss is "
+            "finite (a copy of a real one)."
+        )
 
 
 def make_private(

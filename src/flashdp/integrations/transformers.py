@@ -35,6 +35,7 @@ import flashdp
 from flashdp.data import count_users
 from flashdp.engine import DPEngine
 from flashdp.errors import FlashDPError
+from flashdp.integrations import trainer_checks
 from flashdp.integrations.shares import Piece, batch_size, first_row, rank_pieces, untouched_rng
 
 #: the engine's state in a checkpoint folder, next to the model, optimizer and trainer state
@@ -112,89 +113,9 @@ class DPTrainer(Trainer):
         self._check_arguments()
 
     def _check_arguments(self) -> None:
-        args = self.args
-        if args.gradient_accumulation_steps != 1:
-            raise FlashDPError(
-                f"DPTrainer samples each logical batch whole (PrivacyArguments.expected_batch_size) and splits it "
-                f"into micro-batches of per_device_train_batch_size; gradient_accumulation_steps="
-                f"{args.gradient_accumulation_steps} would make a step of several Poisson batches, which the "
-                "accounting does not describe. Set gradient_accumulation_steps=1."
-            )
-        if args.world_size > 1:
-            self._check_several_processes()
-        if args.fp16:
-            raise FlashDPError(
-                "fp16=True trains with a dynamic loss scale, which GradScaler lowers and whose steps it skips whenever "
-                "a gradient overflows: both depend on the private gradients outside the noise, so the epsilon would "
-                "not cover them (docs/guides/hf-transformers.md). Use bf16=True (float32's exponent range, no "
-                "scaler) or float32."
-            )
-        if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
-            raise FlashDPError("DPTrainer needs a train_dataset with a length (Poisson sampling draws from it).")
-        if type(self).per_sample_loss is DPTrainer.per_sample_loss:
-            self._check_losses_it_computes()
-        c_trainer, c_privacy = args.max_grad_norm, self.privacy.max_grad_norm
-        if c_privacy is not None and c_trainer not in (0, None, c_privacy):
-            raise FlashDPError(
-                f"Two clipping bounds: PrivacyArguments.max_grad_norm={c_privacy} (per sample) and "
-                f"TrainingArguments.max_grad_norm={c_trainer}. DPTrainer clips each sample, never the batch: give "
-                "one of them (or the same value)."
-            )
-        if not (c_privacy or c_trainer):
-            raise FlashDPError(
-                "DP-SGD needs a per-sample clipping bound: TrainingArguments.max_grad_norm (or "
-                "PrivacyArguments.max_grad_norm) must be positive."
-            )
-        if self.privacy.expected_batch_size > self._units:
-            units = "training samples" if self._users is None else "users"
-            raise FlashDPError(
-                f"expected_batch_size={self.privacy.expected_batch_size} exceeds the {self._units} {units}."
-            )
-
-    def _check_losses_it_computes(self) -> None:
-        """Settings that change Trainer's loss, which `per_sample_loss` (plain cross entropy or squared error per
-        sample) would silently not apply."""
-        args = self.args
-        ignored = {
-            "label_smoothing_factor": args.label_smoothing_factor != 0,
-            "compute_loss_func": self.compute_loss_func is not None,
-            "use_liger_kernel": bool(getattr(args, "use_liger_kernel", False)),
-            "loss_type": getattr(args, "loss_type", "nll") not in ("nll", None),  # (TRL's SFTConfig)
-        }
-        if any(ignored.values()):
-            names = ", ".join(name for name, on in ignored.items() if on)
-            raise FlashDPError(
-                f"DPTrainer computes one loss per sample itself (per_sample_loss: cross entropy, or squared error for "
-                f"regression), so these settings would be ignored: {names}. Remove them, or override "
-                "per_sample_loss(model, inputs) to return the [B] losses you want."
-            )
-        if getattr(getattr(self.model, "config", None), "output_router_logits", False):
-            raise FlashDPError(
-                "The model's config has output_router_logits=True: its router's auxiliary (load-balancing) loss is a "
-                "statistic of the whole batch, which mixes samples, so no sample's gradient could be clipped alone. "
-                "Set model.config.output_router_logits = False."
-            )
-
-    def _check_several_processes(self) -> None:
-        world, privacy = self.args.world_size, self.privacy
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
-            raise FlashDPError(
-                f"DPTrainer on {world} processes runs under DDP; this run uses "
-                f"{'FSDP' if self.is_fsdp_enabled else 'DeepSpeed'}, which DPTrainer does not support yet. Launch "
-                "without it (DDP), or call flashdp.make_private on the FSDP-wrapped model in your own loop "
-                "(docs/distributed.md)."
-            )
-        if privacy.secure_rng:
-            raise FlashDPError(
-                f"secure_rng=True samples each batch from this process's OS CSPRNG, so the {world} processes would "
-                "sample different batches. On several processes use secure_rng=False (the sampling seed, drawn from "
-                "OS entropy when seed=None, is shared by the processes)."
-            )
-        if privacy.user_column is not None:
-            raise FlashDPError(
-                f"User-level privacy (user_column) runs on one process in DPTrainer; this run has {world}. Use one "
-                "process, or engine.backward(loss, users=...) in your own loop (docs/guides/user-level.md)."
-            )
+        """What DP-SGD cannot honour in these arguments, refused (`trainer_checks`); subclasses add theirs."""
+        own_losses = type(self).per_sample_loss is DPTrainer.per_sample_loss
+        trainer_checks.check_arguments(self, own_losses)
 
     @functools.cached_property
     def _units(self) -> int:

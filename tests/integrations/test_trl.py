@@ -1,6 +1,8 @@
 """DPSFTTrainer: TRL's SFTTrainer trained with DP-SGD, on prompt-completion records (completion-only labels),
 step for step equal to flashdp's own loop on the same batches, each record's loss TRL's own for a batch of one."""
 
+import os
+
 import pytest
 import torch
 
@@ -129,3 +131,25 @@ def test_activation_offloading_is_refused(tmp_path):
     sft.args.activation_offloading = True
     with pytest.raises(FlashDPError, match=r"activation_offloading=True\) is not supported"):
         sft._check_arguments()
+
+
+def _sft_run(rank: int | None, out: str) -> dict:
+    """DPSFTTrainer for 3 steps, alone or (with `rank`) on process `rank` of 2: its parameters and logged losses."""
+    extra = {}
+    if rank is not None:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        extra = {"ddp_backend": "gloo"}
+    sft = trainer(out, per_device_train_batch_size=1, **extra)
+    sft.train()
+    losses = [entry["loss"] for entry in sft.state.log_history if "loss" in entry]
+    return {"params": {n: p.detach().clone() for n, p in sft.model.named_parameters()}, "losses": losses}
+
+
+def test_two_processes_take_the_steps_of_one(tmp_path):
+    from tests.distributed import launch
+
+    one = _sft_run(None, str(tmp_path / "one"))
+    for rank in launch.run(_sft_run, str(tmp_path / "ddp")):
+        assert rank["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        for name, p in one["params"].items():
+            torch.testing.assert_close(rank["params"][name], p, msg=name)

@@ -3,6 +3,7 @@
     python examples/hf_trainer.py                    # about a minute on 2 CPU cores
     python examples/hf_trainer.py --target-epsilon 3 --max-steps 200
     torchrun --nproc_per_node 2 examples/hf_trainer.py                # 2 processes, DDP (gloo on CPU)
+    accelerate launch --num_processes 2 --cpu examples/hf_trainer.py  # the same, launched by accelerate
     accelerate launch --num_processes 2 examples/hf_trainer.py --gpu  # 2 GPUs, DDP (NCCL)
 
 Each verse is one private record (characters as tokens; padding labelled -100, so it is not learnt). DPTrainer

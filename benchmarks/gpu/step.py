@@ -8,7 +8,8 @@ the median step time over `--steps` timed steps after two warm-up steps, and the
 whole run of that mode, its first step included (weights counted). A mode may name the engine's kernels and
 norm strategy: `bk:torch`, `ghost:triton`, `bk@ghost` (default "auto"). One JSON line per row is appended to
 `--out` as soon as it is measured, so that a run cut short keeps its figures. `--profile-mode bk` prints flashdp's
-per-phase breakdown of two more steps of that mode at the first shape (to stderr).
+per-phase breakdown of two more steps of that mode at the first shape (to stderr); the non-private rows also give
+the forward and the backward timed apart.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def measure(model: torch.nn.Module, mode: str, ids: torch.Tensor, steps: int, pr
             for _ in range(2):
                 step()
         strategies = engine.strategies if engine is not None else {}
+        phases = _phases(model, ids, opt, device) if engine is None else {}
     finally:
         if engine is not None:
             engine.detach()
@@ -91,7 +93,25 @@ def measure(model: torch.nn.Module, mode: str, ids: torch.Tensor, steps: int, pr
         "step_ms_all": times,
         "peak_gib": peak,
         "strategies": _count(strategies),
+        **phases,
     }
+
+
+def _phases(model: torch.nn.Module, ids: torch.Tensor, opt: torch.optim.Optimizer, device: torch.device) -> dict:
+    """A non-private step's forward (with the loss) and backward, timed apart (median of 3): what flashdp's
+    per-phase profile of a private step compares with."""
+    forward, backward = [], []
+    for _ in range(3):
+        loss = None
+
+        def run_forward() -> None:
+            nonlocal loss
+            loss = flashdp.per_sample_lm_loss(model(ids).logits, ids).mean()
+
+        forward.append(_timed(run_forward, device))
+        backward.append(_timed(loss.backward, device))
+        opt.zero_grad(set_to_none=True)
+    return {"forward_ms": statistics.median(forward), "backward_ms": statistics.median(backward)}
 
 
 def _profiled(step, title: str):

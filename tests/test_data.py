@@ -4,6 +4,7 @@ from collections import UserDict
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -119,3 +120,16 @@ def test_mapping_batches_that_are_not_dicts_are_split_and_emptied_too():
     assert isinstance(empty, Encoding) and empty["ids"].shape == (0, 2) and empty["label"].shape == (0,)
     pieces = list(flashdp.micro_batches(collate(dataset), 4))
     assert [len(p["ids"]) for p in pieces] == [4, 4, 2] and all(isinstance(p, Encoding) for p in pieces)
+
+
+def _shared_batches(rank: int) -> list[list[int]]:
+    """The index batches a loader shared by the 2 processes yields on this one (CSPRNG: no seed could align them)."""
+    loader = flashdp.poisson_loader(list(range(40)), 0.2, secure_rng=True, steps=5, shared_by=dist.group.WORLD)
+    return [batch.tolist() for batch in loader]
+
+
+def test_a_loader_shared_by_processes_yields_the_first_ones_batches_on_every_one():
+    from tests.distributed import launch
+
+    first, second = launch.run(_shared_batches)
+    assert first == second and len(first) == 5 and any(first)

@@ -68,6 +68,26 @@ class PoissonSampler(Sampler[list[int]]):
         return torch.rand(count, generator=self.generator, dtype=torch.float64, device="cpu")
 
 
+class SharedBatches(Sampler[list[int]]):
+    """Every rank of `group` iterates the batches its first rank draws from `sampler` (one broadcast per batch):
+    one logical batch for processes that each take a share of it, whatever generator drew it (the OS CSPRNG
+    cannot be seeded alike on every rank). Call it on every rank of the group, as many batches on each."""
+
+    def __init__(self, sampler: Sampler[list[int]], group: dist.ProcessGroup | None = None) -> None:
+        self.sampler, self.group = sampler, group
+        self.source = dist.get_global_rank(group, 0) if group is not None else 0
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        drawn = iter(self.sampler) if dist.get_rank() == self.source else None
+        for _ in range(len(self.sampler)):
+            batch = [next(drawn) if drawn is not None else None]
+            dist.broadcast_object_list(batch, src=self.source, group=self.group)
+            yield batch[0]
+
+
 class UserPoissonSampler(Sampler[list[int]]):
     """User-level Poisson sampling: each step includes every USER independently with probability `sample_rate`,
     and of each included user up to `examples_per_user` of their examples (all if fewer, else that many drawn
@@ -210,6 +230,7 @@ def poisson_loader(
     users: Sequence[int] | torch.Tensor | None = None,
     examples_per_user: int | None = None,
     users_key: str | None = None,
+    shared_by: dist.ProcessGroup | None = None,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A DataLoader of Poisson-sampled batches (see `PoissonSampler`); empty batches keep their structure.
@@ -221,6 +242,10 @@ def poisson_loader(
     (`UserPoissonSampler`) and the loader yields `(batch, users)`, `users` `[B]` the ids to give
     `engine.backward(loss, users=users)` (with `users_key`, mapping batches that hold them as `batch[users_key]`).
     Then `expected_batch_size` is `sample_rate` times the number of users.
+
+    With `shared_by` (a process group, or `dist.group.WORLD`), every rank of the group yields the batches its first
+    rank samples (`SharedBatches`): for processes that split each logical batch among themselves, as DPTrainer
+    does; needed with `secure_rng`, whose draws no seed makes equal on every rank.
     """
     if len(dataset) == 0:
         raise FlashDPError("poisson_loader: the dataset is empty.")
@@ -231,6 +256,8 @@ def poisson_loader(
         users = _checked_users(users, len(dataset), examples_per_user)
         sampler = UserPoissonSampler(users, sample_rate, examples_per_user, **spread)
         dataset, collate_fn = _WithUsers(dataset, users), _UsersCollate(collate_fn, users_key)
+    if shared_by is not None:
+        sampler = SharedBatches(sampler, None if shared_by is dist.group.WORLD else shared_by)
     return DataLoader(
         dataset, batch_sampler=sampler, collate_fn=EmptyBatchCollate(dataset, collate_fn), **loader_kwargs
     )

@@ -131,7 +131,24 @@ def _refusal(rank: int, out: str, privacy: dict) -> str:
 
 
 def test_what_two_processes_cannot_do_yet_is_refused(tmp_path):
-    secure = launch.run(_refusal, str(tmp_path), {"secure_rng": True, "seed": None})
     users = launch.run(_refusal, str(tmp_path), {"user_column": "user", "examples_per_user": 1})
-    assert all("would sample different batches" in message for message in secure), secure
     assert all("runs on one process in DPTrainer" in message for message in users), users
+
+
+def _train_secure(rank: int, out: str) -> dict:
+    """Batches and noise from the OS CSPRNG: drawn by the main process, the same on both processes."""
+    seen = []
+    trainer = _trainer(out, {"secure_rng": True, "seed": None}, **_on_process(rank))
+    for batch in trainer.get_train_dataloader():
+        seen.append(batch["input_ids"][:, 0].tolist())
+        if len(seen) == STEPS:
+            break
+    trainer.train()
+    return {"batches": seen, "params": [p.detach().clone() for p in trainer.model.parameters()]}
+
+
+def test_secure_sampling_on_two_processes_draws_one_batch_for_both(tmp_path):
+    first, second = launch.run(_train_secure, str(tmp_path))
+    assert first["batches"] == second["batches"] and any(first["batches"])
+    for p, q in zip(first["params"], second["params"], strict=True):
+        assert torch.equal(p, q)

@@ -85,12 +85,6 @@ def check_several_processes(trainer: Trainer) -> None:
             "without it (DDP), or call flashdp.make_private on the FSDP-wrapped model in your own loop "
             "(docs/distributed.md)."
         )
-    if privacy.secure_rng:
-        raise FlashDPError(
-            f"secure_rng=True samples each batch from this process's OS CSPRNG, so the {world} processes would "
-            "sample different batches. On several processes use secure_rng=False (the sampling seed, drawn from "
-            "OS entropy when seed=None, is shared by the processes)."
-        )
     if privacy.user_column is not None:
         raise FlashDPError(
             f"User-level privacy (user_column) runs on one process in DPTrainer; this run has {world}. Use one "

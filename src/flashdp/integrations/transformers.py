@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import os
-import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -88,12 +87,13 @@ class DPTrainer(Trainer):
     sample (`per_sample_loss`); TrainingArguments.max_grad_norm bounds each sample's gradient, never the batch's;
     no gradient statistic computed before the noise is logged; `epsilon` is logged with the loss; checkpoints
     carry the engine's state, and `train(resume_from_checkpoint=...)` resumes the accounting.
-    On several processes (`accelerate launch` or `torchrun`, DDP): every process samples the same logical batch (one
-    seed, shared), takes every world_size-th row of it, and runs as many micro-batches as the others (a padding row
-    weighted by 0 where it has no rows: `shares.py`); the engine, built on the DDP-wrapped model at the first step,
-    sums the clipped gradients over the processes and adds the noise once.
+    On several processes (`accelerate launch` or `torchrun`, DDP): every process receives the logical batch the
+    main process sampled (`poisson_loader(..., shared_by=)`), takes every world_size-th row of it, and runs as many
+    micro-batches as the others (a padding row through `engine.backward_padding` where it has no rows:
+    `shares.py`); the engine, built on the DDP-wrapped model at the first step, sums the clipped gradients over the
+    processes and adds the noise once.
     Refused: gradient_accumulation_steps > 1 (the logical batch is already sampled whole); on several processes,
-    FSDP and DeepSpeed, secure_rng and user_column (not yet supported there).
+    FSDP and DeepSpeed, and user_column (not yet supported there).
     """
 
     def __init__(self, *args: Any, privacy: PrivacyArguments, **kwargs: Any) -> None:
@@ -141,24 +141,15 @@ class DPTrainer(Trainer):
             dataset,
             self.sample_rate,
             collate_fn=self.data_collator,
-            seed=self._sampling_seed(),
+            seed=self.privacy.seed,
             secure_rng=self.privacy.secure_rng,
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
             users=self._users,
             examples_per_user=self.privacy.examples_per_user,
             users_key=column,
+            shared_by=torch.distributed.group.WORLD if self.args.world_size > 1 else None,
         )
-
-    def _sampling_seed(self) -> int | None:
-        """The seed of the sampling: PrivacyArguments.seed; on several processes, where every process must draw the
-        same batches, one drawn from OS entropy by the main process and shared when it is None."""
-        seed = self.privacy.seed
-        if seed is not None or self.args.world_size == 1:
-            return seed
-        shared = [secrets.randbits(63)]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        return shared[0]
 
     # -- the engine ---------------------------------------------------------------------------------------
 

@@ -19,7 +19,8 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class Piece:
-    """One micro-batch of this rank: `rows` real rows, or (rows = 0) one padding row."""
+    """One micro-batch of this rank: `rows` real rows; with rows = 0, a padding row (several processes) or an empty
+    micro-batch (one process)."""
 
     inputs: dict[str, Any]
     rows: int

@@ -247,8 +247,8 @@ class DPTrainer(Trainer):
             yield Piece(micro, batch_size(micro))
 
     def _padding_row(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """A one-row batch whose loss is weighted by 0: the logical batch's first row, or the first training
-        example where the logical batch is empty."""
+        """The one-row batch a process without rows for a micro-batch runs through `engine.backward_padding`: the
+        logical batch's first row, or the first training example where the logical batch is empty."""
         if batch_size(batch) > 0:
             return first_row(batch)
         with untouched_rng():  # (a collator that draws, as masked-LM ones do, must not shift this process's draws)

@@ -75,3 +75,17 @@ def test_a_padding_backward_adds_nothing_and_counts_no_sample(mode):
     engine.backward_padding(lm_loss(model(stand_in, position_ids=positions(stand_in)).logits, stand_in))
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), clipped, strict=True))
     assert engine.noisy_step._samples_since_step == 3
+
+
+def test_a_padding_backward_of_a_user_level_engine_records_no_user():
+    """With users=, the stand-in rows take part in the ranks' exchange of users with none: the id they carry may
+    still come as a real user later in the step."""
+    model = gpt2()
+    ids = torch.randint(0, VOCAB, (3, 6))
+    engine = flashdp.make_private(model, max_grad_norm=0.5, noise_multiplier=0.0)
+    stand_in = ids[:1]
+    loss = lm_loss(model(stand_in, position_ids=positions(stand_in)).logits, stand_in)
+    engine.backward_padding(loss, users=torch.tensor([7]))
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    engine.backward(lm_loss(model(ids, position_ids=positions(ids)).logits, ids), users=torch.tensor([7, 7, 8]))
+    assert engine.noisy_step._samples_since_step == 2  # the step's users: 7 and 8

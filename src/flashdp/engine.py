@@ -147,25 +147,28 @@ class DPEngine:
         """
         return self._backward(loss, users, counted=True)
 
-    def backward_padding(self, loss: Tensor) -> None:
+    def backward_padding(self, loss: Tensor, *, users: Tensor | None = None) -> None:
         """The backward of stand-in rows that a rank runs only to run the same passes as the other ranks (DDP,
         FSDP: their collectives must match) where it has no samples for a micro-batch and the model cannot run a
         forward on zero rows (HF transformers): `loss` `[b]` the stand-ins' per-sample losses, after their forward.
         Their losses are weighted by exactly 0 here, so they add nothing to `.grad` and count as no samples (the
-        checks of the step's batch size see none); their norms are checked to be 0. Not for user-level clipping.
+        checks of the step's batch size see none); their norms are checked to be 0.
+        users: with user-level clipping, any ids for the stand-in rows (they are no users of the step).
         """
         skipped = self._skipped_samples
-        norms = self._backward(loss * 0.0, None, counted=False)
+        norms = self._backward(loss * 0.0, users, counted=False)
         self._skipped_samples = skipped  # (stand-ins are no samples, skipped or not)
         _check_padding_norms(norms)
 
     def _backward(self, loss: Tensor, users: Tensor | None, counted: bool) -> Tensor:
-        """`backward`; `counted`: whether its rows count as samples of the step."""
+        """`backward`; `counted`: whether its rows (and users) count as samples (users) of the step."""
         loss, forward = self._take_forward(loss, check_provenance=True)
         self._attachment.grad_writes.check_no_gradient_hooks()
         batch = loss.shape[0]
         groups = None if users is None else UserGroups.of(users, batch, loss.device)
-        clipping = self._users.check(groups, self._adapter.dp_group, loss.device)
+        # (stand-ins join the ranks' agreement on the unit and their exchange of users, with none)
+        ledger = groups if counted or groups is None else UserGroups.of(users[:0], 0, loss.device)
+        clipping = self._users.check(ledger, self._adapter.dp_group, loss.device)
         units = batch if groups is None else groups.count
         if batch == 0 and self._adapter.world_size == 1:
             self.noisy_step.backward_done(0)

@@ -9,7 +9,6 @@ import torch
 from transformers import default_data_collator
 
 import flashdp
-from flashdp import FlashDPError
 from flashdp.integrations.transformers import ENGINE_STATE, DPTrainer, PrivacyArguments
 from tests.distributed import launch
 from tests.integrations.test_transformers import training_args
@@ -121,18 +120,23 @@ def test_a_run_on_two_processes_resumes_from_its_checkpoint(tmp_path):
         assert rank["resumed"]["steps"] == STEPS and rank["resumed"]["epsilon"] == rank["whole"]["epsilon"]
 
 
-def _refusal(rank: int, out: str, privacy: dict) -> str:
-    with_users = [{**record, "user": i // 2} for i, record in enumerate(records())]
-    try:
-        _trainer(out, privacy, with_users, **_on_process(rank))
-    except FlashDPError as error:
-        return str(error)
-    return "accepted"
+def _train_users(rank: int | None, out: str) -> dict:
+    """User-level clipping: 8 users of 3 records, up to 2 of each per step, 2 users a step in expectation."""
+    with_users = [{**record, "user": i // 3} for i, record in enumerate(records())]
+    privacy = {"user_column": "user", "examples_per_user": 2, "expected_batch_size": 2}
+    return _train(rank, out, privacy=privacy, data=with_users, per_device_train_batch_size=2)
 
 
-def test_what_two_processes_cannot_do_yet_is_refused(tmp_path):
-    users = launch.run(_refusal, str(tmp_path), {"user_column": "user", "examples_per_user": 1})
-    assert all("runs on one process in DPTrainer" in message for message in users), users
+def test_user_level_clipping_on_two_processes_takes_the_steps_of_one(tmp_path):
+    """Each user whole on one process and in one micro-batch; a process without users runs a padding row."""
+    ids = torch.arange(N) // 3
+    loader = flashdp.poisson_loader(
+        records(), 2 / 8, collate_fn=default_data_collator, seed=SEED, users=ids, examples_per_user=2
+    )
+    users = [len(set(step_users.tolist())) for _, (_, step_users) in zip(range(STEPS), loader, strict=False)]
+    assert min(users) <= 1 and max(users) >= 2, users  # a process without users; users on both processes
+    one = _train_users(None, str(tmp_path / "one"))
+    _assert_same_run(launch.run(_train_users, str(tmp_path / "ddp")), one)
 
 
 def _train_secure(rank: int, out: str) -> dict:

@@ -77,16 +77,11 @@ def check_losses(trainer: Trainer) -> None:
 
 def check_several_processes(trainer: Trainer) -> None:
     """What DPTrainer does not support on several processes yet."""
-    world, privacy = trainer.args.world_size, trainer.privacy
+    world = trainer.args.world_size
     if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
         raise FlashDPError(
             f"DPTrainer on {world} processes runs under DDP; this run uses "
             f"{'FSDP' if trainer.is_fsdp_enabled else 'DeepSpeed'}, which DPTrainer does not support yet. Launch "
             "without it (DDP), or call flashdp.make_private on the FSDP-wrapped model in your own loop "
             "(docs/distributed.md)."
-        )
-    if privacy.user_column is not None:
-        raise FlashDPError(
-            f"User-level privacy (user_column) runs on one process in DPTrainer; this run has {world}. Use one "
-            "process, or engine.backward(loss, users=...) in your own loop (docs/guides/user-level.md)."
         )

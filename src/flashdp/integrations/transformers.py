@@ -93,7 +93,7 @@ class DPTrainer(Trainer):
     `shares.py`); the engine, built on the DDP-wrapped model at the first step, sums the clipped gradients over the
     processes and adds the noise once.
     Refused: gradient_accumulation_steps > 1 (the logical batch is already sampled whole); on several processes,
-    FSDP and DeepSpeed, and user_column (not yet supported there).
+    FSDP and DeepSpeed (not yet supported there).
     """
 
     def __init__(self, *args: Any, privacy: PrivacyArguments, **kwargs: Any) -> None:
@@ -230,18 +230,17 @@ class DPTrainer(Trainer):
                 self.engine.backward(loss, users=micro_users)
                 total = total + loss.detach().sum()
             else:
-                self.engine.backward_padding(loss)
+                self.engine.backward_padding(loss, users=micro_users)
         return total * self.args.world_size / max(batch_size(inputs), 1)
 
     def _pieces(self, inputs: dict[str, Any]) -> Iterator[Piece]:
         """This process's micro-batches of the logical batch: on one process all of it (a user's rows together);
         on several, its share, as many micro-batches as every other process (`shares.rank_pieces`)."""
-        size, world = self.args.per_device_train_batch_size, self.args.world_size
+        size, world, column = self.args.per_device_train_batch_size, self.args.world_size, self.privacy.user_column
         if world > 1:
             padding = functools.partial(self._padding_row, inputs)
-            yield from rank_pieces(inputs, self.args.process_index, world, size, padding)
+            yield from rank_pieces(inputs, self.args.process_index, world, size, padding, users_key=column)
             return
-        column = self.privacy.user_column
         users = None if column is None else inputs[column]
         for micro in flashdp.micro_batches(inputs, size, users=users):
             yield Piece(micro, batch_size(micro))
@@ -252,7 +251,9 @@ class DPTrainer(Trainer):
         if batch_size(batch) > 0:
             return first_row(batch)
         with untouched_rng():  # (a collator that draws, as masked-LM ones do, must not shift this process's draws)
-            return self._prepare_inputs(self.data_collator([self._sampled_from[0]]))
+            row = self._prepare_inputs(self.data_collator([self._sampled_from[0]]))
+        column = self.privacy.user_column
+        return row if column is None else {**row, column: torch.zeros(1, dtype=torch.long, device=self.args.device)}
 
     def per_sample_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Tensor:
         """`[B]` losses, one per sample, from the model's logits and `inputs["labels"]`: the next-token loss of a

@@ -148,12 +148,10 @@ class DPEngine:
         return self._backward(loss, users, counted=True)
 
     def backward_padding(self, loss: Tensor, *, users: Tensor | None = None) -> None:
-        """The backward of stand-in rows that a rank runs only to run the same passes as the other ranks (DDP,
-        FSDP: their collectives must match) where it has no samples for a micro-batch and the model cannot run a
-        forward on zero rows (HF transformers): `loss` `[b]` the stand-ins' per-sample losses, after their forward.
-        Their losses are weighted by exactly 0 here, so they add nothing to `.grad` and count as no samples (the
-        checks of the step's batch size see none); their norms are checked to be 0.
-        users: with user-level clipping, any ids for the stand-in rows (they are no users of the step).
+        """The backward of stand-in rows a rank runs only to run the same passes as the other ranks (DDP, FSDP)
+        where it has no samples for a micro-batch and the model cannot run a forward on zero rows (HF transformers):
+        `loss` `[b]` their per-sample losses. Weighted by exactly 0 here, they add nothing to `.grad` and count as
+        no samples; their norms are checked to be 0. users: with user-level clipping, any ids (no users of the step).
         """
         skipped = self._skipped_samples
         norms = self._backward(loss * 0.0, users, counted=False)

@@ -133,3 +133,24 @@ def test_a_loader_shared_by_processes_yields_the_first_ones_batches_on_every_one
 
     first, second = launch.run(_shared_batches)
     assert first == second and len(first) == 5 and any(first)
+
+
+@pytest.mark.parametrize("users", [False, True])
+def test_an_epochs_batches_depend_on_the_seed_and_the_epoch_alone(users):
+    """What a resumed run needs: a new sampler set to epoch e draws what one that went through epochs 0..e drew;
+    epoch 0 is the stream a new sampler starts with; epochs differ."""
+
+    def sampler():
+        if users:
+            return flashdp.data.UserPoissonSampler(torch.arange(30) // 3, 0.3, 2, steps=4, seed=5)
+        return PoissonSampler(30, 0.3, steps=4, seed=5)
+
+    went_through = sampler()
+    epochs = []
+    for epoch in range(3):
+        went_through.set_epoch(epoch)
+        epochs.append(list(went_through))
+    assert list(sampler()) == epochs[0] and epochs[1] != epochs[0]
+    resumed = sampler()
+    resumed.set_epoch(2)
+    assert list(resumed) == epochs[2]

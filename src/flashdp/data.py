@@ -15,6 +15,9 @@ from flashdp._pipeline.users import holds_integers
 from flashdp.errors import FlashDPError
 from flashdp.privacy import csprng
 
+#: how far apart the seeds of two epochs are (an odd constant: the golden ratio in 64 bits)
+_EPOCH_STRIDE = 0x9E3779B97F4A7C15
+
 
 class PoissonSampler(Sampler[list[int]]):
     """Batches of indices in which every example is included independently with probability `sample_rate`.
@@ -52,8 +55,15 @@ class PoissonSampler(Sampler[list[int]]):
         self.sample_rate = sample_rate
         self.steps = steps if steps is not None else math.ceil(1 / sample_rate)
         self.secure_rng = secure_rng
+        self._seed = secrets.randbits(63) if seed is None else seed + rank
         self.generator = torch.Generator()
-        self.generator.manual_seed(secrets.randbits(63) if seed is None else seed + rank)
+        self.generator.manual_seed(self._seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw epoch `epoch`'s batches from then on: a function of the seed and the epoch alone, so that a run
+        resumed at a later epoch draws what the uninterrupted run drew (HF Trainer calls it at every epoch; epoch 0
+        is the stream a new sampler starts with). Without calls, epochs continue one stream."""
+        self.generator.manual_seed((self._seed + epoch * _EPOCH_STRIDE) % 2**63)
 
     def __len__(self) -> int:
         return self.steps
@@ -79,6 +89,9 @@ class SharedBatches(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
         drawn = iter(self.sampler) if dist.get_rank() == self.source else None
@@ -138,6 +151,10 @@ class UserPoissonSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self._users_sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """As `PoissonSampler.set_epoch` (the users drawn and their examples)."""
+        self._users_sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
         for chosen in self._users_sampler:
@@ -258,9 +275,16 @@ def poisson_loader(
         dataset, collate_fn = _WithUsers(dataset, users), _UsersCollate(collate_fn, users_key)
     if shared_by is not None:
         sampler = SharedBatches(sampler, None if shared_by is dist.group.WORLD else shared_by)
-    return DataLoader(
+    return PoissonLoader(
         dataset, batch_sampler=sampler, collate_fn=EmptyBatchCollate(dataset, collate_fn), **loader_kwargs
     )
+
+
+class PoissonLoader(DataLoader):
+    """A DataLoader over a Poisson batch sampler, with the sampler's `set_epoch` (HF Trainer calls the loader's)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
 
 
 def count_users(users: Sequence[int] | torch.Tensor) -> int:

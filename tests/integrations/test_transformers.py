@@ -90,9 +90,13 @@ def test_user_level_dptrainer_takes_the_same_steps_as_flashdps_own_loop(tmp_path
                                   expected_batch_size=3, sample_rate=3 / 8, seed=7)  # fmt: skip
     records = [{k: v for k, v in r.items() if k != "user"} for r in data]
     users = [r["user"] for r in data]
-    batches = engine.data_loader(records, collate_fn=trainer.data_collator, users=users, examples_per_user=2, steps=4)
+    loader = engine.data_loader(records, collate_fn=trainer.data_collator, users=users, examples_per_user=2)
+    epochs = []
+    for epoch in range(2):  # (epochs of ceil(8 / 3) = 3 steps; Trainer sets each epoch's draws, as here)
+        loader.set_epoch(epoch)
+        epochs += list(loader)
     sizes = []
-    for step, (batch, ids) in enumerate(batches):
+    for step, (batch, ids) in enumerate(epochs):
         if step == 4:
             break
         sizes.append(len(ids))
@@ -200,3 +204,10 @@ def test_a_loss_per_sample_loss_would_not_compute_is_refused_unless_it_is_overri
 
     args = training_args(tmp_path, label_smoothing_factor=0.1)
     Smoothed(model=gpt2(), args=args, train_dataset=lm_records(), privacy=privacy)  # accepted
+
+
+def test_users_with_more_examples_a_step_than_a_micro_batch_holds_are_refused_when_built(tmp_path):
+    data = [{**record, "user": i // 4} for i, record in enumerate(lm_records())]
+    privacy = PrivacyArguments(expected_batch_size=2, noise_multiplier=1.0, user_column="user", examples_per_user=4)
+    with pytest.raises(FlashDPError, match="examples_per_user=4 exceeds per_device_train_batch_size=3"):
+        DPTrainer(model=gpt2(), args=training_args(tmp_path), train_dataset=data, privacy=privacy)

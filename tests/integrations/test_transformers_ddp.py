@@ -104,20 +104,31 @@ def test_a_collator_that_draws_sees_the_same_draws_on_two_processes(tmp_path):
     _assert_same_run(launch.run(_train_masked, str(tmp_path / "ddp")), one)
 
 
-def _resume(rank: int, out: str) -> dict:
-    """Steps 1-4 with checkpoints every 2 steps, then a new run resumed from step 2's checkpoint."""
-    whole = _train(rank, out, save_strategy="steps", save_steps=2)
-    checkpoint = os.path.join(out, "checkpoint-2")
-    saved = os.path.isfile(os.path.join(checkpoint, ENGINE_STATE))
-    torch.distributed.barrier()
-    resumed = _train(rank, out, resume=checkpoint, save_strategy="no")
+def _resume(rank: int | None, out: str) -> dict:
+    """3 epochs of 2 steps (12 of 24 records a step in expectation) with a checkpoint every step, then runs resumed
+    from the checkpoints of steps 2 (an epoch's start) and 3 (inside the second epoch)."""
+    settings = {"privacy": {"expected_batch_size": 12}, "max_steps": 6, "per_device_train_batch_size": 4}
+    whole = _train(rank, out, save_strategy="steps", save_steps=1, **settings)
+    saved = os.path.isfile(os.path.join(out, "checkpoint-2", ENGINE_STATE))
+    if rank is not None:
+        torch.distributed.barrier()
+    resumed = [
+        _train(rank, out, resume=os.path.join(out, f"checkpoint-{step}"), save_strategy="no", **settings)
+        for step in (2, 3)
+    ]
     return {"saved": saved, "whole": whole, "resumed": resumed}
 
 
-def test_a_run_on_two_processes_resumes_from_its_checkpoint(tmp_path):
-    for rank in launch.run(_resume, str(tmp_path)):
+def test_a_run_resumed_past_its_first_epoch_takes_the_steps_of_the_whole_run(tmp_path):
+    """The sampler draws each epoch from the seed and the epoch alone: a resumed run draws the batches the whole
+    run drew (on one process and on two)."""
+    for rank in [_resume(None, str(tmp_path / "one")), *launch.run(_resume, str(tmp_path / "ddp"))]:
         assert rank["saved"]
-        assert rank["resumed"]["steps"] == STEPS and rank["resumed"]["epsilon"] == rank["whole"]["epsilon"]
+        for resumed in rank["resumed"]:
+            assert resumed["steps"] == 6 and resumed["epsilon"] == rank["whole"]["epsilon"]
+            assert resumed["losses"][-2:] == pytest.approx(rank["whole"]["losses"][-2:], rel=1e-5)
+            for name, p in rank["whole"]["params"].items():
+                torch.testing.assert_close(resumed["params"][name], p, msg=name)
 
 
 def _train_users(rank: int | None, out: str) -> dict:

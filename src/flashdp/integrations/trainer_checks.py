@@ -43,6 +43,13 @@ def check_arguments(trainer: Trainer, own_losses: bool) -> None:
             "DP-SGD needs a per-sample clipping bound: TrainingArguments.max_grad_norm (or "
             "PrivacyArguments.max_grad_norm) must be positive."
         )
+    k = trainer.privacy.examples_per_user
+    if k is not None and k > args.per_device_train_batch_size:
+        raise FlashDPError(
+            f"PrivacyArguments.examples_per_user={k} exceeds per_device_train_batch_size="
+            f"{args.per_device_train_batch_size}: a user's examples of a step are clipped together, in one "
+            "micro-batch. Raise per_device_train_batch_size to at least examples_per_user, or lower the latter."
+        )
     if trainer.privacy.expected_batch_size > trainer._units:
         units = "training samples" if trainer._users is None else "users"
         raise FlashDPError(

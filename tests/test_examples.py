@@ -95,9 +95,9 @@ def test_user_level_lm_runs():
 
 def _hf_trainer_on_a_process(rank: int, out: str) -> dict:
     """The HF Trainer example on process `rank` of 2, as `torchrun --nproc_per_node 2` starts it."""
-    import os
+    from tests.distributed import launch
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    launch.as_torchrun_process(rank)  # (the example chooses its backend: gloo on CPU)
     tiny = ["--max-steps", "2", "--batch-size", "4", "--micro-batch", "2", "--seq-len", "8", "--d-model", "16",
             "--layers", "1", "--target-epsilon", "20", "--output-dir", out]  # fmt: skip
     trainer = _load("hf_trainer").main(tiny)

@@ -31,6 +31,15 @@ def _worker(rank: int, fn: Callable, out: str, args: tuple) -> None:
     os._exit(0)
 
 
+def as_torchrun_process(rank: int | None) -> dict:
+    """Inside a worker: the environment torchrun gives process `rank` of WORLD (read by HF TrainingArguments), and
+    the TrainingArguments of a run on gloo; nothing for one process (`rank` None)."""
+    if rank is None:
+        return {}
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    return {"ddp_backend": "gloo"}
+
+
 #: seconds a run may take before its ranks are killed: a rank waiting in a collective the other never joins
 #: fails the test instead of hanging the suite
 TIMEOUT = 180.0

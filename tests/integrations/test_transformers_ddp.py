@@ -24,15 +24,6 @@ def records() -> list[dict]:
     return [{"input_ids": i, "labels": lab} for i, lab in zip(ids, labels, strict=True)]
 
 
-def _on_process(rank: int | None) -> dict:
-    """What torchrun sets for process `rank` of 2 (read by TrainingArguments), and the TrainingArguments of a run
-    on gloo; nothing for one process."""
-    if rank is None:
-        return {}
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    return {"ddp_backend": "gloo"}
-
-
 def _trainer(
     out: str, privacy: dict | None = None, data: list[dict] | None = None, collator=None, **overrides
 ) -> DPTrainer:
@@ -47,7 +38,7 @@ def _trainer(
 def _train(rank: int | None, out: str, resume: str | None = None, **overrides) -> dict:
     """A DPTrainer run of STEPS steps (on process `rank` of 2, or alone): its parameters, accounting and the
     losses it logged."""
-    trainer = _trainer(out, **_on_process(rank), **overrides)
+    trainer = _trainer(out, **launch.as_torchrun_process(rank), **overrides)
     trainer.train(resume_from_checkpoint=resume)
     return {
         "params": {name: p.detach().clone() for name, p in trainer.model.named_parameters()},
@@ -153,7 +144,7 @@ def test_user_level_clipping_on_two_processes_takes_the_steps_of_one(tmp_path):
 def _train_secure(rank: int, out: str) -> dict:
     """Batches and noise from the OS CSPRNG: drawn by the main process, the same on both processes."""
     seen = []
-    trainer = _trainer(out, {"secure_rng": True, "seed": None}, **_on_process(rank))
+    trainer = _trainer(out, {"secure_rng": True, "seed": None}, **launch.as_torchrun_process(rank))
     for batch in trainer.get_train_dataloader():
         seen.append(batch["input_ids"][:, 0].tolist())
         if len(seen) == STEPS:

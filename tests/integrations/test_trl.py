@@ -1,8 +1,6 @@
 """DPSFTTrainer: TRL's SFTTrainer trained with DP-SGD, on prompt-completion records (completion-only labels),
 step for step equal to flashdp's own loop on the same batches, each record's loss TRL's own for a batch of one."""
 
-import os
-
 import pytest
 import torch
 
@@ -135,11 +133,9 @@ def test_activation_offloading_is_refused(tmp_path):
 
 def _sft_run(rank: int | None, out: str) -> dict:
     """DPSFTTrainer for 3 steps, alone or (with `rank`) on process `rank` of 2: its parameters and logged losses."""
-    extra = {}
-    if rank is not None:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-        extra = {"ddp_backend": "gloo"}
-    sft = trainer(out, per_device_train_batch_size=1, **extra)
+    from tests.distributed import launch
+
+    sft = trainer(out, per_device_train_batch_size=1, **launch.as_torchrun_process(rank))
     sft.train()
     losses = [entry["loss"] for entry in sft.state.log_history if "loss" in entry]
     return {"params": {n: p.detach().clone() for n, p in sft.model.named_parameters()}, "losses": losses}

@@ -173,12 +173,16 @@ class Reused(nn.Module):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_layer_calling_itself_is_refused_on_every_step(mode):
     torch.manual_seed(0)
-    model = Reused(recursive=True).double()
+    _refused_on_every_step(Reused(recursive=True).double(), mode, "called inside its own forward")
+
+
+def _refused_on_every_step(model: nn.Module, mode: str, message: str) -> None:
+    """Two steps, each refused with `message` before anything reaches `.grad`."""
     engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None)
     try:
         for batch in _batches([False, False]):
             model.zero_grad(set_to_none=True)
-            with pytest.raises(FlashDPError, match="called inside its own forward"):
+            with pytest.raises(FlashDPError, match=message):
                 engine.backward(_loss(model, batch))
             assert all(p.grad is None for p in model.parameters())
     finally:
@@ -242,15 +246,7 @@ class WithTable(nn.Module):
 @pytest.mark.parametrize("table_type", [ReturnsAlias, ReadsThroughClosure])
 def test_a_parameter_read_past_the_generic_rules_swap_is_refused(table_type, mode):
     torch.manual_seed(0)
-    model = WithTable(table_type).double()
-    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None)
-    try:
-        for batch in _batches([False, False]):
-            model.zero_grad(set_to_none=True)
-            with pytest.raises(FlashDPError, match="read 'p' without the swap"):
-                engine.backward(_loss(model, batch))
-    finally:
-        engine.detach()
+    _refused_on_every_step(WithTable(table_type).double(), mode, "read 'p' without the swap")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -263,35 +259,31 @@ def test_a_parameter_read_from_the_module_is_exact(mode):
 # --- an output shared across the batch feeding another output of the same call ---------------------------------
 
 
-class SharedFeedsOutput(nn.Module):
-    """Returns (b, h): b = table * 1.0 has no batch dim (shared), h = tanh(x + b) is computed from it."""
+class _Table(nn.Module):
+    """A module holding a [4, 3] table, which its forward returns or uses in shared outputs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.table = nn.Parameter(torch.randn(4, 3))
+
+
+class SharedFeedsOutput(_Table):
+    """Returns (b, h): b = table * 1.0 has no batch dim (shared), h = tanh(x + b) is computed from it."""
 
     def forward(self, x):
         b = self.table * 1.0
         return b, torch.tanh(x + b)
 
 
-class ParamFeedsOutput(nn.Module):
+class ParamFeedsOutput(_Table):
     """Returns (table, h) with h computed from the table: the shared output is the parameter itself."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.table = nn.Parameter(torch.randn(4, 3))
 
     def forward(self, x):
         return self.table, torch.tanh(x) * self.table
 
 
-class TwoSharedOutputs(nn.Module):
+class TwoSharedOutputs(_Table):
     """Returns (b, b2, h): two shared outputs, b2 computed from b, h from both."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.table = nn.Parameter(torch.randn(4, 3))
 
     def forward(self, x):
         b = self.table * 1.0

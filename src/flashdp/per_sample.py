@@ -12,6 +12,7 @@ Two forms:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -68,7 +69,30 @@ class OuterGrad:
         return self.left.shape[2], self.right.shape[2]
 
 
-PerSampleGrad = Tensor | OuterGrad
+@dataclass(frozen=True)
+class DeferredOuterGrad:
+    """A per-sample gradient whose form is left to the engine's norm: the `OuterGrad` factors (for a ghost norm),
+    or the `[B, *param.shape]` gradients themselves (for a direct norm) from a routine cheaper than the factors'
+    product, such as a convolution's per-sample weight gradients as one grouped convolution, without unfolded
+    windows. The engine picks by its cost model on `positions` and `block_shape`, as it would for the factors, and
+    builds only that form.
+
+    positions: T of the factors. block_shape: (p, d) of one group's block. conv_groups: as in `OuterGrad`.
+    factors: builds the `OuterGrad`. dense: builds the `[B, *param.shape]` per-sample gradients, accumulated in
+        `accumulation_dtype` of the layer's tensors.
+    operands: the tensors both forms are built from (the factors' dtypes and device, for the choice of a kernel:
+        where the direct norm runs as a Triton kernel, as under `mode="flash"`, the factors are built for it).
+    """
+
+    operands: tuple[Tensor, Tensor]
+    positions: int
+    block_shape: tuple[int, int]
+    conv_groups: int
+    factors: Callable[[], OuterGrad]
+    dense: Callable[[], Tensor]
+
+
+PerSampleGrad = Tensor | OuterGrad | DeferredOuterGrad
 
 
 #: floating dtypes that accumulate in float32 (checked first: this runs for every parameter of every call)

@@ -1,10 +1,14 @@
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tests.oracle import check_against_oracle
+import flashdp
+from flashdp.per_sample import accumulation_dtype
+from flashdp.rules import conv
+from tests.oracle import check_against_oracle, materialised
+from tests.steps import check_steps
 from tests.strategies import batches, modes, norm_strategies, per_sample_loss
 
 
@@ -60,15 +64,17 @@ def transposed_configs(draw):
     }
 
 
-@given(batch=batches, dims=st.sampled_from([1, 2, 3]), config=transposed_configs(), mode=modes)
-def test_transposed_conv_matches_oracle(batch, dims, config, mode):
+@given(
+    batch=batches, dims=st.sampled_from([1, 2, 3]), config=transposed_configs(), mode=modes, strategy=norm_strategies
+)
+def test_transposed_conv_matches_oracle(batch, dims, config, mode, strategy):
     """Strides, dilations and output_padding leave windows past the input (output_padding < dilation)."""
     conv = TRANSPOSED[dims](**config)
     size = (4, 3, 3)[:dims]
     model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
     model(torch.zeros(1, config["in_channels"], *size, dtype=torch.float64))
     x = torch.randn(batch, config["in_channels"], *size, dtype=torch.float64)
-    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode, norm_strategy=strategy)
 
 
 def test_two_conv_layers_with_groupnorm_match_oracle():
@@ -100,3 +106,70 @@ def test_a_float32_cnn_on_cuda_passes_the_self_check_though_cudnn_convolves_in_t
     x = torch.randn(8, 3, 16, 16, device="cuda")
     model(x)
     check_against_oracle(model, lambda rows: model(x[rows]).square().sum(1), 8, mode=mode, rtol=3e-2)
+
+
+@given(
+    dims=st.sampled_from([1, 2, 3]),
+    config=st.one_of(conv_configs(), transposed_configs()),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    batch=st.integers(1, 3),
+)
+def test_the_dense_per_sample_weight_gradients_equal_the_product_of_the_factors(dims, config, dtype, batch):
+    """The grouped convolution that materialises a direct norm's per-sample gradients against the float64 product
+    of the factors a ghost norm reads (and the oracle tests above against per-sample backwards)."""
+    transposed = "output_padding" in config
+    layer = (TRANSPOSED if transposed else CONVS)[dims](**config).to(dtype)
+    x = torch.randn(batch, config["in_channels"], *((4, 3, 3) if transposed else (7, 6, 5))[:dims], dtype=dtype)
+    grad_output = torch.randn_like(layer(x))
+    rule = conv.conv_transpose_grads if transposed else conv.conv_grads
+    deferred = rule(layer, (x,), grad_output, frozenset({"weight"}))["weight"]
+    dense = deferred.dense()
+    assert dense.shape == (batch, *layer.weight.shape) and dense.dtype == accumulation_dtype(x)
+    expected = materialised(deferred.factors()).view(dense.shape)
+    torch.testing.assert_close(dense.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+class TwoConvs(nn.Module):
+    """8 channels, 3x3: the direct norm is cheaper from about 8 output positions on, ghost below."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Conv2d(3, 8, 3, padding=1)
+        self.second = nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x).tanh()).mean((2, 3))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shapes=st.lists(st.tuples(st.integers(1, 4), st.sampled_from([2, 3, 6])), min_size=2, max_size=5),
+    mode=modes,
+)
+def test_every_step_is_exact_while_image_sizes_move_the_norm_between_ghost_and_direct(shapes, mode):
+    """Each step's image size decides each layer's form (2x2 images: ghost; 6x6: dense), batch sizes change too."""
+    torch.manual_seed(len(shapes))
+    batches = [torch.randn(b, 3, side, side, dtype=torch.float64) for b, side in shapes]
+    check_steps(
+        TwoConvs().double(),
+        batches,
+        lambda model, x: model(x).sum(1),
+        lambda x, i: x[i : i + 1],
+        [b for b, _ in shapes],
+        mode=mode,
+        self_check=3,
+    )
+
+
+def test_a_direct_conv_norm_unfolds_no_windows(monkeypatch):
+    """Where the cost model picks the direct norm, the per-sample gradients come from one grouped convolution: no
+    unfolded windows (9x the input for 3x3 kernels). With few positions the factors are built for a ghost norm."""
+    model = TwoConvs()
+    engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0)
+    engine.backward(model(torch.randn(2, 3, 2, 2)).sum(1))
+    assert engine.strategies == {"first.weight": "ghost", "first.bias": "per-sample"} | {
+        "second.weight": "ghost", "second.bias": "per-sample"
+    }  # fmt: skip
+    monkeypatch.setattr(conv, "_unfold", lambda *args: pytest.fail("windows unfolded for a direct norm"))
+    engine.backward(model(torch.randn(2, 3, 6, 6)).sum(1))
+    assert engine.strategies["first.weight"] == engine.strategies["second.weight"] == "direct"

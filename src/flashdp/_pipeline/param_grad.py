@@ -15,7 +15,7 @@ from flashdp._pipeline import outer_products
 from flashdp._pipeline.users import UserGroups
 from flashdp.errors import FlashDPError
 from flashdp.kernels.outer_norm.reference import ghost_inner, per_sample, sum_of_squares
-from flashdp.per_sample import OuterGrad, PerSampleGrad, accumulation_dtype, cast
+from flashdp.per_sample import DeferredOuterGrad, OuterGrad, PerSampleGrad, accumulation_dtype, cast
 
 StrategyChoice = Literal["auto", "ghost", "direct"]
 
@@ -120,6 +120,7 @@ class ParamGradient:
         self.per_sample: Tensor | None = None  # [B, *shape], from rules that materialise
         self.blocks: list[OuterGrad] = []
         self.generic = False  # counted by the generic rule (shown as the strategy)
+        self.dense_direct = False  # a rule's deferred factors were materialised by its cheaper routine
         self._users = users
 
     @classmethod
@@ -133,6 +134,8 @@ class ParamGradient:
 
     def add(self, grad: PerSampleGrad, source: str, generic: bool = False) -> None:
         self.generic |= generic
+        if isinstance(grad, DeferredOuterGrad):
+            grad = self._resolved(grad)
         if isinstance(grad, OuterGrad):
             self._check_block(grad, source)
             self.blocks.append(grad)
@@ -145,6 +148,15 @@ class ParamGradient:
             )
         grad = cast(grad, accumulation_dtype(grad))
         self.per_sample = grad if self.per_sample is None else self.per_sample + grad
+
+    def _resolved(self, grad: DeferredOuterGrad) -> Tensor | OuterGrad:
+        """The form the norm needs: the factors for a ghost norm or a direct-norm kernel, else the dense gradients."""
+        if self._strategy_of(grad.positions, *grad.block_shape) == "ghost" or kernels.outer_direct_norm_sq.runs_kernel(
+            *grad.operands
+        ):
+            return grad.factors()
+        self.dense_direct = True
+        return grad.dense()
 
     def _check_block(self, grad: OuterGrad, source: str) -> None:
         p, d = grad.block_shape
@@ -169,7 +181,7 @@ class ParamGradient:
             self.blocks = []
         if self.per_sample is not None:
             plan = ClippedSumPlan(self.shape, per_sample=self.per_sample) if keep_for_sum else None
-            return ParamNorm(sum_of_squares(self.per_sample), "generic" if self.generic else "per-sample", plan)
+            return ParamNorm(sum_of_squares(self.per_sample), self._per_sample_strategy(), plan)
         return self._blocks_norm_sq(keep_for_sum)
 
     def _group_by_user(self) -> None:
@@ -237,10 +249,15 @@ class ParamGradient:
         return ParamNorm(norm_sq, "+".join(strategies), plan)
 
     def _choose(self, factors: OuterGrad) -> str:
+        return self._strategy_of(factors.right.shape[1], *factors.block_shape)
+
+    def _strategy_of(self, positions: int, p: int, d: int) -> str:
         if self.strategy_choice != "auto":
             return self.strategy_choice
-        p, d = factors.block_shape
-        return outer_products.norm_strategy(factors.right.shape[1], p, d)
+        return outer_products.norm_strategy(positions, p, d)
+
+    def _per_sample_strategy(self) -> str:
+        return "generic" if self.generic else "direct" if self.dense_direct else "per-sample"
 
 
 def _kept_in_bfloat16(materialised: Tensor) -> tuple[Tensor, Tensor]:

@@ -3,11 +3,12 @@
 Importing this package registers the built-in rules.
 """
 
-from flashdp.per_sample import OuterGrad, PerSampleGrad, TokenRows
+from flashdp.per_sample import DeferredOuterGrad, OuterGrad, PerSampleGrad, TokenRows
 from flashdp.rules import activations, attention, conv, embedding, experts, linear, normalization, recurrent
 from flashdp.rules.registry import Rule, RuleMatch, find_rule, register_rule
 
 __all__ = [
+    "DeferredOuterGrad",
     "OuterGrad",
     "PerSampleGrad",
     "Rule",

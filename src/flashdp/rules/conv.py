@@ -10,15 +10,17 @@ gradient" is its input.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
 from flashdp.errors import FlashDPError
-from flashdp.per_sample import OuterGrad, PerSampleGrad
+from flashdp.per_sample import DeferredOuterGrad, OuterGrad, PerSampleGrad, accumulation_dtype, cast
 from flashdp.rules.registry import register_rule
 from flashdp.rules.shapes import sum_over_positions
 
@@ -27,14 +29,20 @@ ConvTranspose = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
 
 
 def conv_grads(module: Conv, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]) -> dict[str, PerSampleGrad]:
-    """A Linear per group on the input's windows U: weight `G_i^T U_i`, bias `sum G_i`; ghost or direct norm.
+    """A Linear per group on the input's windows U: weight `G_i^T U_i`, bias `sum G_i`; ghost norm from the
+    unfolded windows, or direct norm from per-sample gradients computed as ONE convolution weight gradient with the
+    batch folded into the groups (no windows unfolded).
 
-    x `[B, c, *S]`, G `[B, o, *S_out]` -> weight (OuterGrad) and bias `[B, o]`."""
+    x `[B, c, *S]`, G `[B, o, *S_out]` -> weight (`DeferredOuterGrad`) and bias `[B, o]`."""
     x = _batched(module, inputs[0])
     out = _bias(grad_output, trainable)
     if "weight" in trainable:
-        windows = _unfold(_padded(module, x), module)
-        out["weight"] = _grouped(grad_output, windows, module.groups)
+        out["weight"] = _deferred(
+            module,
+            x,
+            grad_output,
+            factors=lambda: _grouped(grad_output, _unfold(_padded(module, x), module, module.groups), module.groups),
+        )
     return out
 
 
@@ -42,17 +50,78 @@ def conv_transpose_grads(
     module: ConvTranspose, inputs: tuple, grad_output: Tensor, trainable: frozenset[str]
 ) -> dict[str, PerSampleGrad]:
     """The adjoint convolution's: windows U unfolded from the output gradient, weight `x_i^T U_i` per group, bias
-    `sum G_i`; ghost or direct norm.
+    `sum G_i`; ghost norm, or direct norm from one transposed-convolution weight gradient with the batch folded
+    into the groups.
 
-    x `[B, c, *S]`, G `[B, o, *S_out]` -> weight `[c, o/g, *k]` (OuterGrad) and bias `[B, o]`: the weight gradient
-    of the convolution from G (zero-padded by `padding`) to x."""
+    x `[B, c, *S]`, G `[B, o, *S_out]` -> weight `[c, o/g, *k]` (`DeferredOuterGrad`) and bias `[B, o]`: the
+    weight gradient of the convolution from G (zero-padded by `padding`) to x."""
     x = _batched(module, inputs[0])
     out = _bias(grad_output, trainable)
     if "weight" in trainable:
         padding = [p for size in reversed(module.padding) for p in (size, size)]
-        windows = _unfold(F.pad(grad_output, padding) if any(padding) else grad_output, module, x.shape[2:])
-        out["weight"] = _grouped(x, windows, module.groups)
+
+        def factors() -> OuterGrad:
+            padded = F.pad(grad_output, padding) if any(padding) else grad_output
+            windows = _unfold(padded, module, module.groups, x.shape[2:])
+            return _grouped(x, windows, module.groups)
+
+        out["weight"] = _deferred(module, x, grad_output, factors)
     return out
+
+
+def _deferred(
+    module: Conv | ConvTranspose, x: Tensor, grad_output: Tensor, factors: Callable[[], OuterGrad]
+) -> DeferredOuterGrad:
+    """The weight's per-sample gradient as its factors (`factors()`: one `[o/g, c/g * k]` block per group and
+    sample, over the positions of the factor not unfolded), or materialised by `_per_sample_weight_grads`."""
+    weight = module.weight  # [o, c/g, *k]; transposed: [c, o/g, *k]
+    not_unfolded = x if isinstance(module, ConvTranspose) else grad_output
+    return DeferredOuterGrad(
+        operands=(x, grad_output),
+        positions=math.prod(not_unfolded.shape[2:]),
+        block_shape=(weight.shape[0] // module.groups, math.prod(weight.shape[1:])),
+        conv_groups=module.groups,
+        factors=factors,
+        dense=lambda: _per_sample_weight_grads(module, x, grad_output),
+    )
+
+
+def _per_sample_weight_grads(module: Conv | ConvTranspose, x: Tensor, grad_output: Tensor) -> Tensor:
+    """`[B, *weight.shape]`: the weight gradient of ONE convolution over the batch folded into the channels, with
+    B times the groups, so that samples never mix. Accumulated in `accumulation_dtype` (16-bit inputs widened:
+    their products are exact in float32, also under TF32, which is turned off for float32 inputs on CUDA)."""
+    transposed = isinstance(module, ConvTranspose)
+    batch, dtype = x.shape[0], accumulation_dtype(x, grad_output)
+    padding: Sequence[int] | str = module.padding
+    if not transposed and (module.padding_mode != "zeros" or isinstance(padding, str)):
+        x, padding = _padded(module, x), [0] * len(module.kernel_size)
+    weight = module.weight
+    folded_shape = (batch * weight.shape[0], *weight.shape[1:])
+    with _full_float32(x, dtype):
+        _, grads, _ = torch.ops.aten.convolution_backward(
+            cast(grad_output, dtype).reshape(1, -1, *grad_output.shape[2:]),
+            cast(x, dtype).reshape(1, -1, *x.shape[2:]),
+            weight.new_empty((), dtype=dtype).expand(folded_shape),
+            None,
+            module.stride,
+            padding,
+            module.dilation,
+            transposed,
+            module.output_padding if transposed else [0] * len(module.kernel_size),
+            batch * module.groups,
+            [False, True, False],
+        )
+    return grads.view(batch, *weight.shape)
+
+
+def _full_float32(x: Tensor, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """cuDNN without TF32 for a float32 convolution on CUDA (a norm is a privacy quantity); elsewhere nothing."""
+    if not (x.is_cuda and dtype == torch.float32):
+        return contextlib.nullcontext()
+    cudnn = torch.backends.cudnn
+    return cudnn.flags(
+        enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=False
+    )
 
 
 def _batched(module: Conv | ConvTranspose, x: Tensor) -> Tensor:
@@ -76,25 +145,26 @@ def _padded(module: Conv, x: Tensor) -> Tensor:
     return F.pad(x, pad, mode=mode) if any(pad) else x
 
 
-def _unfold(x: Tensor, module: Conv | ConvTranspose, positions: Sequence[int] | None = None) -> Tensor:
-    """`[B, c, *S]` -> the convolution's windows `[B, c * prod(k), P]` (channel-major, as the weight is laid out);
-    only the first `positions` windows per spatial dim, where given (a transposed convolution's output_padding
-    can leave windows past its input)."""
+def _unfold(x: Tensor, module: Conv | ConvTranspose, groups: int, positions: Sequence[int] | None = None) -> Tensor:
+    """`[B, c, *S]` -> the convolution's windows per sample and group, `[B * g, P, c/g * prod(k)]` (channel-major,
+    as the weight is laid out), contiguous: one copy, and the clipped sum's GEMM and the ghost norm's Gram
+    matrices read it as it is. Only the first `positions` windows per spatial dim, where given (a transposed
+    convolution's output_padding can leave windows past its input)."""
     spatial = len(module.kernel_size)
+    x = x.unflatten(1, (groups, -1))  # [B, g, c/g, *S]
     for i, (k, d, s) in enumerate(zip(module.kernel_size, module.dilation, module.stride, strict=True)):
-        x = x.unfold(2 + i, (k - 1) * d + 1, s)[..., ::d]  # appends this dim's window
+        x = x.unfold(3 + i, (k - 1) * d + 1, s)[..., ::d]  # appends this dim's window
         if positions is not None:
-            x = x.narrow(2 + i, 0, positions[i])
-    batch, channels, positions = x.shape[0], x.shape[1], math.prod(x.shape[2 : 2 + spatial])
-    order = [0, 1, *range(2 + spatial, 2 + 2 * spatial), *range(2, 2 + spatial)]
-    return x.permute(order).reshape(batch, channels * math.prod(module.kernel_size), positions)
+            x = x.narrow(3 + i, 0, positions[i])
+    count = math.prod(x.shape[3 : 3 + spatial])
+    order = [0, 1, *range(3, 3 + spatial), 2, *range(3 + spatial, 3 + 2 * spatial)]
+    return x.permute(order).reshape(x.shape[0] * groups, count, -1)
 
 
 def _grouped(grad: Tensor, windows: Tensor, groups: int) -> OuterGrad:
-    """The output-side factor `[B, o, *S]` and the windows `[B, c * k, P]` as one Linear per group."""
+    """The output-side factor `[B, o, *S]` and the windows `[B * g, P, c/g * k]` as one Linear per group."""
     left = rearrange(grad.flatten(2), "b (g o) p -> (b g) p o", g=groups)
-    right = rearrange(windows, "b (g k) p -> (b g) p k", g=groups)
-    return OuterGrad(left, right, conv_groups=groups)
+    return OuterGrad(left, windows, conv_groups=groups)
 
 
 for _conv in (nn.Conv1d, nn.Conv2d, nn.Conv3d):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import flashdp
-from benchmarks.models import LlamaLike, SmallCNN
+from benchmarks.models import LlamaLike, SmallCNN, WideResNet
 
 MODES = ("non-private", "flashdp-bk", "flashdp-ghost", "flashdp-flash", "opacus-ghost", "opacus-hooks")
 VOCAB = 4096
@@ -30,10 +30,20 @@ def unavailable(mode: str) -> str | None:
     return None
 
 
+#: models reading token ids (the rest read 3-channel images)
+TOKEN_MODELS = ("llama", "t5", "mixtral", "gpt2", "bert")
+
+
 def data(model_name: str, seq: int, batch: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's input and the targets. seq: tokens per sequence, or image side in pixels."""
+    """The model's input and the targets. seq: tokens per sequence, or image side in pixels. BERT: ids 1.. with
+    each sequence padded by zeros after a random length in [seq / 2, seq], a binary label per sequence."""
     generator = torch.Generator().manual_seed(0)
-    if model_name in ("llama", "t5", "mixtral"):
+    if model_name == "bert":
+        ids = torch.randint(1, VOCAB, (batch, seq), generator=generator)
+        lengths = torch.randint(seq // 2, seq + 1, (batch, 1), generator=generator)
+        ids = ids.masked_fill(torch.arange(seq) >= lengths, 0)
+        return ids.to(device), torch.randint(0, 2, (batch,), generator=generator).to(device)
+    if model_name in TOKEN_MODELS:
         vocab = T5_SMALL["vocab_size"] if model_name == "t5" else VOCAB
         ids = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
         return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)  # Opacus views the ids
@@ -51,38 +61,57 @@ MIXTRAL_SMALL = {"vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 5
 #: HF ViT-Base/16's shape (google/vit-base-patch16-224), randomly initialised
 VIT_BASE = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
             "image_size": 224, "patch_size": 16, "num_labels": 1000}  # fmt: skip
+#: the small transformers of DP benchmarks: ViT on 64 px images, BERT classifier, GPT-2 LM (tied head)
+VIT_SMALL = {"hidden_size": 192, "num_hidden_layers": 6, "num_attention_heads": 3, "intermediate_size": 768,
+             "image_size": 64, "patch_size": 8, "num_labels": 10}  # fmt: skip
+BERT_SMALL = {"vocab_size": VOCAB, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "intermediate_size": 1024, "num_labels": 2, "hidden_dropout_prob": 0.0,
+              "attention_probs_dropout_prob": 0.0}  # fmt: skip
+GPT2_SMALL = {"vocab_size": VOCAB, "n_embd": 256, "n_layer": 4, "n_head": 4, "n_positions": 1024,
+              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # fmt: skip
 
 
 class Logits(torch.nn.Module):
     """An HF model called as its model card calls it, returning its logits (one forward signature for every
-    library timed). T5: the decoder reads the same ids (teacher forcing on a copy task)."""
+    library timed). T5: the decoder reads the same ids (teacher forcing on a copy task). BERT: id 0 is padding."""
 
     def __init__(self, model: torch.nn.Module, kind: str) -> None:
         super().__init__()
         self.model, self.kind = model, kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "vit":
+        if self.kind in ("vit", "vitsmall"):
             return self.model(pixel_values=x).logits
-        if self.kind == "mixtral":
+        if self.kind == "bert":
+            return self.model(input_ids=x, attention_mask=(x != 0).long()).logits
+        if self.kind in ("mixtral", "gpt2"):
             return self.model(input_ids=x, use_cache=False).logits
         return self.model(input_ids=x, decoder_input_ids=x).logits
 
 
+def _hf_model(model_name: str) -> torch.nn.Module:
+    import transformers as tf
+
+    config, model_class = {
+        "vit": lambda: (tf.ViTConfig(**VIT_BASE), tf.ViTForImageClassification),
+        "vitsmall": lambda: (tf.ViTConfig(**VIT_SMALL), tf.ViTForImageClassification),
+        "bert": lambda: (tf.BertConfig(**BERT_SMALL), tf.BertForSequenceClassification),
+        "gpt2": lambda: (tf.GPT2Config(**GPT2_SMALL), tf.GPT2LMHeadModel),
+        "t5": lambda: (
+            tf.T5Config(**T5_SMALL, dropout_rate=0.0, decoder_start_token_id=0),
+            tf.T5ForConditionalGeneration,
+        ),
+        "mixtral": lambda: (tf.MixtralConfig(**MIXTRAL_SMALL), tf.MixtralForCausalLM),
+    }[model_name]()
+    return Logits(model_class(config), model_name)
+
+
 def build_model(model_name: str, device: str, checkpointing: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    if model_name in ("vit", "t5", "mixtral"):
-        import transformers
-
-        config, model_class = {
-            "vit": lambda: (transformers.ViTConfig(**VIT_BASE), transformers.ViTForImageClassification),
-            "t5": lambda: (
-                transformers.T5Config(**T5_SMALL, dropout_rate=0.0, decoder_start_token_id=0),
-                transformers.T5ForConditionalGeneration,
-            ),
-            "mixtral": lambda: (transformers.MixtralConfig(**MIXTRAL_SMALL), transformers.MixtralForCausalLM),
-        }[model_name]()
-        return Logits(model_class(config), model_name).to(device)
+    if model_name in ("vit", "vitsmall", "bert", "gpt2", "t5", "mixtral"):
+        return _hf_model(model_name).to(device)
+    if model_name == "wrn":
+        return WideResNet().to(device)
     return (LlamaLike(checkpointing=checkpointing) if model_name == "llama" else SmallCNN()).to(device)
 
 

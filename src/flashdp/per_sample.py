@@ -11,8 +11,9 @@ Two forms:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -143,7 +144,48 @@ def computed_in_tf32(output: Tensor) -> bool:
     step by step in float32 differed by 1e-4, relative, on an H200). Its checks take a 16-bit tolerance."""
     if output.dtype != torch.float32 or not output.is_cuda:
         return False
-    return torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
+    if not _FP32_PRECISION:
+        return torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
+    backends = torch.backends
+    cudnn = backends.cudnn
+    return any(
+        allows_tf32(operation, *parents)
+        for operation, *parents in (
+            (cudnn.conv, cudnn, backends),
+            (cudnn.rnn, cudnn, backends),
+            (backends.cuda.matmul, backends),
+        )
+    )
+
+
+#: torch >= 2.9 sets TF32 per backend and operation (`fp32_precision`); reading the older `allow_tf32` flags
+#: raises once the user has set cuDNN's convolutions and recurrent layers apart with it
+_FP32_PRECISION = hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
+
+
+def allows_tf32(*chain: object) -> bool:
+    """Whether the first of `chain` (an operation's `fp32_precision` setting, then its parents') that is set says
+    "tf32"; "none" defers to the parent."""
+    for backend in chain:
+        precision = backend.fp32_precision
+        if precision != "none":
+            return precision == "tf32"
+    return False
+
+
+@contextlib.contextmanager
+def ieee_float32_convolutions() -> Iterator[None]:
+    """Inside, cuDNN convolves float32 in IEEE float32, never TF32 (a norm is a privacy quantity)."""
+    cudnn = torch.backends.cudnn
+    if not _FP32_PRECISION:
+        with cudnn.flags(cudnn.enabled, cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=False):
+            yield
+        return
+    before, cudnn.conv.fp32_precision = cudnn.conv.fp32_precision, "ieee"
+    try:
+        yield
+    finally:
+        cudnn.conv.fp32_precision = before
 
 
 @dataclass(frozen=True)

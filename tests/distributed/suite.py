@@ -22,6 +22,16 @@ class AdapterSuite:
             for got, expected in zip(rank["params"], expected_params, strict=True):
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
+    def test_convolutions_with_direct_norms_equal_one_process(self):
+        ranks = run(workloads.rank_cnn_run, self.wrapper, "bk")
+        model = workloads.build_cnn()
+        expected_norms, _ = workloads.cnn_step(model, model, workloads.cnn_images(), "bk")
+        assert {s for r in ranks for name, s in r["strategies"].items() if name.endswith("weight")} == {"direct"}
+        torch.testing.assert_close(torch.cat([r["norms"] for r in ranks]), expected_norms, rtol=1e-5, atol=1e-6)
+        for rank in ranks:
+            for got, expected in zip(rank["params"], model.parameters(), strict=True):
+                torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)
+
     @pytest.mark.parametrize("mode", ["bk", "ghost"])
     def test_a_rank_with_an_empty_batch_takes_part_in_the_step(self, mode):
         ranks = run(workloads.rank_with_empty_batch, self.wrapper, mode)

@@ -41,6 +41,41 @@ def build_time_major_model() -> nn.Module:
     )
 
 
+def build_cnn() -> nn.Module:
+    """Convolutions at the indices `wrap` shards, each with a direct norm at 7 x 7 images (dense per-sample
+    gradients from one grouped convolution, built from the layer's settings, not from its sharded weight)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"), nn.Tanh(),
+        nn.Conv2d(8, 3, 3), nn.Flatten(),
+    )  # fmt: skip
+
+
+def cnn_step(model, wrapped, images, mode) -> tuple[torch.Tensor, dict[str, str]]:
+    """One DP step on `images` (no noise): the norms and the engine's strategies."""
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    engine = flashdp.make_private(
+        wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=0.0, optimizer=optimizer,
+        expected_batch_size=BATCH, sample_rate=0.1,
+    )  # fmt: skip
+    norms = engine.backward(wrapped(images).square().mean(1))
+    engine.step()
+    strategies = engine.strategies
+    engine.detach()
+    return norms, strategies
+
+
+def cnn_images() -> torch.Tensor:
+    return torch.randn(BATCH, 3, 7, 7, generator=torch.Generator().manual_seed(2))  # (no dim of 4: FSDP1)
+
+
+def rank_cnn_run(rank: int, wrapper: str, mode: str) -> dict:
+    model = build_cnn()
+    wrapped = wrap(model, wrapper)
+    norms, strategies = cnn_step(model, wrapped, cnn_images()[rank * 4 : rank * 4 + 4], mode)
+    return {"norms": norms, "params": full_params(wrapped), "strategies": strategies}
+
+
 def global_batch() -> torch.Tensor:
     return torch.randint(0, 11, (BATCH, 5), generator=torch.Generator().manual_seed(1))
 

@@ -173,3 +173,49 @@ def test_a_direct_conv_norm_unfolds_no_windows(monkeypatch):
     monkeypatch.setattr(conv, "_unfold", lambda *args: pytest.fail("windows unfolded for a direct norm"))
     engine.backward(model(torch.randn(2, 3, 6, 6)).sum(1))
     assert engine.strategies["first.weight"] == engine.strategies["second.weight"] == "direct"
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ghost", "direct"])
+def test_a_transposed_conv_given_an_output_size_matches_oracle(strategy):
+    """`forward(x, output_size=...)` (U-Nets matching a skip connection) pads the output beyond the module's
+    output_padding: the dense per-sample gradients use the call's own."""
+    layer = nn.ConvTranspose2d(2, 3, 3, stride=2).double()
+    x = torch.randn(4, 2, 5, 4, dtype=torch.float64)
+    loss_of = lambda s: per_sample_loss(layer(x[s], output_size=[12, 10]).flatten(1))  # noqa: E731
+    check_against_oracle(layer, loss_of, 4, norm_strategy=strategy)
+
+
+@pytest.mark.parametrize(
+    "layer, x",
+    [
+        (nn.ConvTranspose1d(6, 4, 2, stride=2), torch.randn(3, 1, 6).transpose(1, 2)),
+        (nn.ConvTranspose2d(6, 4, 2, stride=2), torch.randn(3, 1, 1, 6).permute(0, 3, 1, 2)),
+        (nn.Conv1d(6, 4, 1), torch.randn(3, 1, 6).transpose(1, 2)),
+    ],
+    ids=["transposed-1d", "transposed-2d", "conv-1d"],
+)
+def test_a_direct_norm_on_inputs_strided_in_a_size_one_dim_matches_oracle(layer, x):
+    """A transposed view `[B, C, 1]` is contiguous but for the stride of its size-1 dim, which CPU's transposed
+    convolution refused when computing its weight gradient."""
+    layer, x = layer.double(), x.double()
+    check_against_oracle(layer, lambda s: per_sample_loss(layer(x[s]).flatten(1)), 3, norm_strategy="direct")
+
+
+def test_a_weight_tied_across_group_layouts_is_refused_on_the_first_step_whatever_the_forms():
+    """A Conv2d (1 group) and a ConvTranspose2d (2 groups) sharing one `[8, 4, 3, 3]` weight: their factors cannot
+    be summed. Refused at once, also on image sizes where both would be materialised (not first at a later size)."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 8, 3, padding=1)
+            self.back = nn.ConvTranspose2d(8, 8, 3, padding=1, groups=2, bias=False)
+            self.back.weight = self.conv.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.back(self.conv(x).tanh()).flatten(1).sum(1)
+
+    model = Tied()
+    engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(flashdp.FlashDPError, match="do not share a layout"):
+        engine.backward(model(torch.randn(2, 4, 6, 6)))

@@ -121,6 +121,7 @@ class ParamGradient:
         self.blocks: list[OuterGrad] = []
         self.generic = False  # counted by the generic rule (shown as the strategy)
         self.dense_direct = False  # a rule's deferred factors were materialised by its cheaper routine
+        self._layout: tuple[int, tuple[int, int]] | None = None  # (groups, block shape) of factored contributions
         self._users = users
 
     @classmethod
@@ -135,6 +136,7 @@ class ParamGradient:
     def add(self, grad: PerSampleGrad, source: str, generic: bool = False) -> None:
         self.generic |= generic
         if isinstance(grad, DeferredOuterGrad):
+            self._check_layout(grad.conv_groups, grad.block_shape, source)
             grad = self._resolved(grad)
         if isinstance(grad, OuterGrad):
             self._check_block(grad, source)
@@ -167,8 +169,14 @@ class ParamGradient:
                 f"in {grad.conv_groups} group(s); the parameter has shape {tuple(self.shape)} and the batch "
                 f"{self.batch_size} samples."
             )
-        first = self.blocks[0] if self.blocks else None
-        if first is not None and (first.conv_groups, first.block_shape) != (grad.conv_groups, (p, d)):
+        self._check_layout(grad.conv_groups, (p, d), source)
+
+    def _check_layout(self, groups: int, block_shape: tuple[int, int], source: str) -> None:
+        """Every factored contribution, built as factors or not, has the first one's layout: so that whether a
+        parameter's layers can be summed does not depend on the forms a step's shapes choose."""
+        if self._layout is None:
+            self._layout = (groups, block_shape)
+        elif self._layout != (groups, block_shape):
             raise FlashDPError(f"'{self.name}' is used by layers whose gradients do not share a layout ({source}).")
 
     def norm_sq(self, keep_for_sum: bool) -> ParamNorm:

@@ -20,7 +20,14 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from flashdp.errors import FlashDPError
-from flashdp.per_sample import DeferredOuterGrad, OuterGrad, PerSampleGrad, accumulation_dtype, cast
+from flashdp.per_sample import (
+    DeferredOuterGrad,
+    OuterGrad,
+    PerSampleGrad,
+    accumulation_dtype,
+    cast,
+    ieee_float32_convolutions,
+)
 from flashdp.rules.registry import register_rule
 from flashdp.rules.shapes import sum_over_positions
 
@@ -74,12 +81,12 @@ def _deferred(
 ) -> DeferredOuterGrad:
     """The weight's per-sample gradient as its factors (`factors()`: one `[o/g, c/g * k]` block per group and
     sample, over the positions of the factor not unfolded), or materialised by `_per_sample_weight_grads`."""
-    weight = module.weight  # [o, c/g, *k]; transposed: [c, o/g, *k]
+    shape = _weight_shape(module)
     not_unfolded = x if isinstance(module, ConvTranspose) else grad_output
     return DeferredOuterGrad(
         operands=(x, grad_output),
         positions=math.prod(not_unfolded.shape[2:]),
-        block_shape=(weight.shape[0] // module.groups, math.prod(weight.shape[1:])),
+        block_shape=(shape[0] // module.groups, math.prod(shape[1:])),
         conv_groups=module.groups,
         factors=factors,
         dense=lambda: _per_sample_weight_grads(module, x, grad_output),
@@ -95,33 +102,65 @@ def _per_sample_weight_grads(module: Conv | ConvTranspose, x: Tensor, grad_outpu
     padding: Sequence[int] | str = module.padding
     if not transposed and (module.padding_mode != "zeros" or isinstance(padding, str)):
         x, padding = _padded(module, x), [0] * len(module.kernel_size)
-    weight = module.weight
-    folded_shape = (batch * weight.shape[0], *weight.shape[1:])
+    shape = _weight_shape(module)
     with _full_float32(x, dtype):
         _, grads, _ = torch.ops.aten.convolution_backward(
-            cast(grad_output, dtype).reshape(1, -1, *grad_output.shape[2:]),
-            cast(x, dtype).reshape(1, -1, *x.shape[2:]),
-            weight.new_empty((), dtype=dtype).expand(folded_shape),
+            _folded(grad_output, dtype),
+            _folded(x, dtype),
+            x.new_empty((batch * shape[0], *shape[1:]), dtype=dtype),  # (read for its shape)
             None,
             module.stride,
             padding,
             module.dilation,
             transposed,
-            module.output_padding if transposed else [0] * len(module.kernel_size),
+            _output_padding(module, x, grad_output) if transposed else [0] * len(module.kernel_size),
             batch * module.groups,
             [False, True, False],
         )
-    return grads.view(batch, *weight.shape)
+    return grads.view(batch, *shape)
+
+
+def _folded(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """`[B, c, *S]` -> `[1, B * c, *S]` with row-major strides, also in its size-1 dims (a tensor contiguous but
+    for the stride of a size-1 dim made CPU's transposed convolution refuse its own weight gradient)."""
+    folded = cast(x, dtype).reshape(1, -1, *x.shape[2:])
+    strides = [math.prod(folded.shape[i + 1 :]) for i in range(folded.dim())]
+    return folded if list(folded.stride()) == strides else folded.clone(memory_format=torch.contiguous_format)
+
+
+def _output_padding(module: ConvTranspose, x: Tensor, grad_output: Tensor) -> list[int]:
+    """The output padding of this call: `module.output_padding`, or what `forward(x, output_size=...)` chose."""
+    return [
+        out - ((size - 1) * s - 2 * p + d * (k - 1) + 1)
+        for out, size, s, p, d, k in zip(
+            grad_output.shape[2:],
+            x.shape[2:],
+            module.stride,
+            module.padding,
+            module.dilation,
+            module.kernel_size,
+            strict=True,
+        )
+    ]
+
+
+def _weight_shape(module: Conv | ConvTranspose) -> tuple[int, ...]:
+    """`[o, c/g, *k]`, transposed `[c, o/g, *k]`: from the layer's settings, not its weight (under FSDP a shard)."""
+    inputs, outputs = module.in_channels, module.out_channels
+    first, second = (inputs, outputs) if isinstance(module, ConvTranspose) else (outputs, inputs)
+    return (first, second // module.groups, *module.kernel_size)
 
 
 def _full_float32(x: Tensor, dtype: torch.dtype) -> contextlib.AbstractContextManager:
-    """cuDNN without TF32 for a float32 convolution on CUDA (a norm is a privacy quantity); elsewhere nothing."""
-    if not (x.is_cuda and dtype == torch.float32):
-        return contextlib.nullcontext()
-    cudnn = torch.backends.cudnn
-    return cudnn.flags(
-        enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=False
-    )
+    """cuDNN without TF32 for a float32 convolution on CUDA; elsewhere nothing."""
+    return ieee_float32_convolutions() if x.is_cuda and dtype == torch.float32 else contextlib.nullcontext()
+
+
+def _weight_shape(module: Conv | ConvTranspose) -> tuple[int, ...]:
+    """`[o, c/g, *k]`, transposed `[c, o/g, *k]`: from the layer's settings, not its weight (under FSDP a shard)."""
+    inputs, outputs = module.in_channels, module.out_channels
+    first, second = (inputs, outputs) if isinstance(module, ConvTranspose) else (outputs, inputs)
+    return (first, second // module.groups, *module.kernel_size)
 
 
 def _batched(module: Conv | ConvTranspose, x: Tensor) -> Tensor:

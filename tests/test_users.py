@@ -286,6 +286,49 @@ def test_the_self_check_compares_each_users_gradient(mode):
         engine.backward(per_sample_loss(model(data(4))), users=torch.tensor([0, 0, 0, 0]))
 
 
+def pair_losses(scores: Tensor, pairs: int) -> Tensor:
+    """`[2P]`: each pair's preference loss `-log sigmoid(s_chosen - s_rejected)` in its chosen row (rows
+    `[chosen..., rejected...]`, as TRL's DPO batches them), 0 in its rejected row: rows mix within their pair."""
+    pair = -nn.functional.logsigmoid(scores[:pairs] - scores[pairs:])
+    return torch.cat([pair, torch.zeros_like(pair)])
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_loss_mixing_the_rows_of_one_user_is_clipped_by_user(name, mode):
+    """The unit a user-level clip needs independent is the user: a preference pair (DPO) is one user of two
+    rows whose loss depends on both. Against each pair's gradient by autograd, one pair at a time."""
+    build, data = MODELS[name]
+    torch.manual_seed(0)
+    model, pairs = build().double(), 3
+    x, users = data(2 * pairs), torch.arange(pairs).repeat(2)
+    reference = copy.deepcopy(model)
+    params = [p for p in reference.parameters() if p.requires_grad]
+    grads: dict[str, list[Tensor]] = {n: [] for n, p in reference.named_parameters() if p.requires_grad}
+    for k in range(pairs):
+        rows = per_sample_loss(reference(x[[k, k + pairs]]))
+        for name_, g in zip(grads, torch.autograd.grad(pair_losses(rows, 1)[0], params), strict=True):
+            grads[name_].append(g)
+    norms, sums = clip({n: torch.stack(g) for n, g in grads.items()}, "flat", 0.5)
+    with flashdp.make_private(model, mode=mode, max_grad_norm=0.5, noise_multiplier=0.0) as engine:
+        got = engine.backward(pair_losses(per_sample_loss(model(x)), pairs), users=users)
+    torch.testing.assert_close(got.double(), norms.repeat(2), rtol=1e-6, atol=1e-6)
+    assert_clipped_sums(model, sums, 1e-9)
+
+
+def test_a_loss_mixing_rows_is_refused_without_users_and_across_users():
+    build, data = MODELS["transformer"]
+    model = build().double()
+    x = data(4)
+    refused = pytest.raises(FlashDPError, match="Self-check failed")
+    with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0) as engine, refused:
+        engine.backward(pair_losses(per_sample_loss(model(x)), 2))
+    refused = pytest.raises(FlashDPError, match="Self-check failed")
+    with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0) as engine, refused:
+        # rows 0 and 2 are a pair, but users 0 and 1
+        engine.backward(pair_losses(per_sample_loss(model(x)), 2), users=torch.tensor([0, 0, 1, 1]))
+
+
 def test_a_loss_mixing_users_is_refused():
     build, data = MODELS["transformer"]
     model = build().double()

@@ -239,7 +239,7 @@ def _verdict(parts: Parts, known: Knowledge, graph: LossGraph, verifying: Verify
     rtol = self_check.tolerance([loss.dtype, *(m.dtype for c in calls for m in c.output_meta)], computed_in_tf32(loss))
     with torch.no_grad(), parts.adapter.norm_pass():
         failing = self_check.batch_independence_failures(
-            loss, calls, verifying.sketches, verifying.dims, rtol, parts.check_generator
+            loss, calls, verifying.sketches, verifying.dims, rtol, parts.check_generator, graph.users
         )
     found, learnt = learning.explain_failures(known, graph, calls, failing) if failing else (Found.VERIFIED, known)
     if found is Found.VERIFIED and verifying.errors:

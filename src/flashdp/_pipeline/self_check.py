@@ -6,7 +6,9 @@ autograd's own per-sample gradients, taken on the very graph being clipped. It c
    sample's rows, `RowSketch`: the unweighted gradients are not held). That holds only if row i of each layer's
    output belongs to sample i alone and `loss[i]` depends on sample i only. It fails for a layer whose dim 0 is
    not the batch (a time-major `[T, B, d]` input with T == B, relative-position ids `[q_len, k_len]`) and for
-   losses that mix samples (a contrastive loss over the batch, a loss using the batch mean).
+   losses that mix samples (a contrastive loss over the batch, a loss using the batch mean). With users, the
+   weights are per user (`r_u` for every row of user u): rows may mix within their user (a preference pair's loss
+   in one of its two rows), never across users, which is what a user's clipped gradient needs.
 2. per-sample gradients (one extra backward per checked sample): autograd's gradient of `loss[i]` for every
    trainable parameter against the norm flashdp counted for it and, in bk, against the gradient it will add.
 """
@@ -25,6 +27,7 @@ from flashdp._pipeline.loss_graph import LossGraph
 from flashdp._pipeline.norm_pass import stream_output_gradients
 from flashdp._pipeline.param_grad import ClippedSumPlan
 from flashdp._pipeline.recorder import Call
+from flashdp._pipeline.users import UserGroups
 from flashdp.errors import FlashDPError
 
 #: samples whose full per-sample gradients each check compares
@@ -140,13 +143,17 @@ def batch_independence_failures(
     batch_dims: Sequence[tuple[int, ...]],
     rtol: float,
     generator: torch.Generator,
+    users: UserGroups | None = None,
 ) -> list[int]:
-    """The calls (indices) some output of which has gradient rows that are not per-sample (see the module
-    docstring), from the sketches of the unweighted pass's output gradients. With fewer than 2 samples there is
-    nothing to compare, but the pass still runs (FSDP ranks must run the same passes)."""
-    batch = loss.shape[0]
+    """The calls (indices) some output of which has gradient rows that are not per-sample, or not per user where
+    `users` are given (see the module docstring), from the sketches of the unweighted pass's output gradients.
+    With fewer than 2 samples there is nothing to compare, but the pass still runs (FSDP ranks must run the same
+    passes)."""
     dtypes = [loss.dtype, *(m.dtype for c in calls for m in c.output_meta)]
-    weights = _powers_of_two(batch, dtypes, generator).to(loss.device)
+    if users is None:
+        weights = _powers_of_two(loss.shape[0], dtypes, generator).to(loss.device)
+    else:
+        weights = users.per_row(_powers_of_two(users.count, dtypes, generator).to(loss.device))
     with torch.enable_grad():
         weighted_loss = loss * weights.to(loss.dtype)
     failing: list[int] = []

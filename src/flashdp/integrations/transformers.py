@@ -140,7 +140,7 @@ class DPTrainer(Trainer):
         return flashdp.poisson_loader(
             dataset,
             self.sample_rate,
-            collate_fn=self.data_collator,
+            collate_fn=self.train_collator(),
             seed=self.privacy.seed,
             secure_rng=self.privacy.secure_rng,
             num_workers=self.args.dataloader_num_workers,
@@ -150,6 +150,11 @@ class DPTrainer(Trainer):
             users_key=column,
             shared_by=torch.distributed.group.WORLD if self.args.world_size > 1 else None,
         )
+
+    def train_collator(self) -> Any:
+        """The collator of the training batches: Trainer's, whose rows are the units sampled (overridden where a
+        unit spans several of its rows)."""
+        return self.data_collator
 
     # -- the engine ---------------------------------------------------------------------------------------
 
@@ -225,7 +230,7 @@ class DPTrainer(Trainer):
             micro = dict(piece.inputs)
             micro_users = None if column is None else micro.pop(column)
             with self.compute_loss_context_manager():
-                loss = self.per_sample_loss(model, micro)
+                loss, micro_users = self.engine_losses(model, micro, micro_users)
             if piece.rows:
                 self.engine.backward(loss, users=micro_users)
                 total = total + loss.detach().sum()
@@ -251,9 +256,17 @@ class DPTrainer(Trainer):
         if batch_size(batch) > 0:
             return first_row(batch)
         with untouched_rng():  # (a collator that draws, as masked-LM ones do, must not shift this process's draws)
-            row = self._prepare_inputs(self.data_collator([self._sampled_from[0]]))
+            row = self._prepare_inputs(self.train_collator()([self._sampled_from[0]]))
         column = self.privacy.user_column
         return row if column is None else {**row, column: torch.zeros(1, dtype=torch.long, device=self.args.device)}
+
+    def engine_losses(
+        self, model: nn.Module, inputs: dict[str, Any], users: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """What the engine clips from one micro-batch: one loss per row of the model's forward and each row's user
+        (None: each row is a unit). Here `per_sample_loss` and the batch's users; a trainer whose unit spans several
+        forward rows (a preference pair) overrides it."""
+        return self.per_sample_loss(model, inputs), users
 
     def per_sample_loss(self, model: nn.Module, inputs: dict[str, Any]) -> Tensor:
         """`[B]` losses, one per sample, from the model's logits and `inputs["labels"]`: the next-token loss of a

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from flashdp._pipeline.param_grad import ParamGradient
 from flashdp.per_sample import OuterGrad, TokenRows
+from flashdp.rules import conv
 from tests.oracle import materialised
 from tests.strategies import odd
 
@@ -103,3 +104,21 @@ def test_bk_keeps_a_bfloat16_layers_per_sample_gradients_in_bfloat16_and_clips_w
     torch.testing.assert_close(
         norm.plan.clipped_sum(coef).double(), torch.einsum("n,npd->pd", coef.double(), exact), rtol=1e-2, atol=1e-3
     )
+
+
+def test_bk_keeps_a_bfloat16_convolutions_dense_per_sample_gradients_in_bfloat16():
+    """The grouped convolution's per-sample gradients (float32) of a bfloat16 layer are kept as the factors' would
+    be: in bfloat16, norms of the rounded values; a float32 layer's stay float32."""
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        layer = torch.nn.Conv2d(3, 4, 3, padding=1).to(dtype)
+        x = torch.randn(5, 3, 6, 6, dtype=dtype)
+        deferred = conv.conv_grads(layer, (x,), torch.randn(5, 4, 6, 6, dtype=dtype), frozenset({"weight"}))["weight"]
+        grad = ParamGradient("w", layer.weight.shape, 5)
+        grad.add(deferred, "test")
+        norm = grad.norm_sq(keep_for_sum=True)
+        kept = norm.plan.per_sample
+        assert norm.strategy == "direct" and kept.dtype == dtype
+        torch.testing.assert_close(norm.norm_sq.double(), kept.double().flatten(1).square().sum(1), rtol=1e-6, atol=0)
+        exact = materialised(deferred.factors()).flatten(1).square().sum(1)
+        torch.testing.assert_close(norm.norm_sq.double(), exact, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=0)

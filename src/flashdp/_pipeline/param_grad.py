@@ -121,6 +121,7 @@ class ParamGradient:
         self.blocks: list[OuterGrad] = []
         self.generic = False  # counted by the generic rule (shown as the strategy)
         self.dense_direct = False  # a rule's deferred factors were materialised by its cheaper routine
+        self._bfloat16_layers: list[bool] = []  # per dense contribution: whether a bfloat16 layer's
         self._layout: tuple[int, tuple[int, int]] | None = None  # (groups, block shape) of factored contributions
         self._users = users
 
@@ -135,9 +136,10 @@ class ParamGradient:
 
     def add(self, grad: PerSampleGrad, source: str, generic: bool = False) -> None:
         self.generic |= generic
+        bfloat16 = False  # whether a dense contribution is a bfloat16 layer's (kept in bfloat16 by bk)
         if isinstance(grad, DeferredOuterGrad):
             self._check_layout(grad.conv_groups, grad.block_shape, source)
-            grad = self._resolved(grad)
+            grad, bfloat16 = self._resolved(grad)
         if isinstance(grad, OuterGrad):
             self._check_block(grad, source)
             self.blocks.append(grad)
@@ -150,15 +152,17 @@ class ParamGradient:
             )
         grad = cast(grad, accumulation_dtype(grad))
         self.per_sample = grad if self.per_sample is None else self.per_sample + grad
+        self._bfloat16_layers.append(bfloat16)
 
-    def _resolved(self, grad: DeferredOuterGrad) -> Tensor | OuterGrad:
-        """The form the norm needs: the factors for a ghost norm or a direct-norm kernel, else the dense gradients."""
+    def _resolved(self, grad: DeferredOuterGrad) -> tuple[Tensor | OuterGrad, bool]:
+        """The form the norm needs: the factors for a ghost norm or a direct-norm kernel, else the dense gradients;
+        and whether those are a bfloat16 layer's."""
         if self._strategy_of(grad.positions, *grad.block_shape) == "ghost" or kernels.outer_direct_norm_sq.runs_kernel(
             *grad.operands
         ):
-            return grad.factors()
+            return grad.factors(), False
         self.dense_direct = True
-        return grad.dense()
+        return grad.dense(), all(x.dtype == torch.bfloat16 for x in grad.operands)
 
     def _check_block(self, grad: OuterGrad, source: str) -> None:
         p, d = grad.block_shape
@@ -188,8 +192,13 @@ class ParamGradient:
             )
             self.blocks = []
         if self.per_sample is not None:
-            plan = ClippedSumPlan(self.shape, per_sample=self.per_sample) if keep_for_sum else None
-            return ParamNorm(sum_of_squares(self.per_sample), self._per_sample_strategy(), plan)
+            if not keep_for_sum:
+                return ParamNorm(sum_of_squares(self.per_sample), self._per_sample_strategy(), None)
+            kept, norm_sq = self.per_sample, None
+            if self._bfloat16_layers and all(self._bfloat16_layers):
+                kept, norm_sq = _kept_in_bfloat16(kept)
+            norm_sq = sum_of_squares(kept) if norm_sq is None else norm_sq
+            return ParamNorm(norm_sq, self._per_sample_strategy(), ClippedSumPlan(self.shape, per_sample=kept))
         return self._blocks_norm_sq(keep_for_sum)
 
     def _group_by_user(self) -> None:

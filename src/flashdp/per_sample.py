@@ -83,6 +83,9 @@ class DeferredOuterGrad:
         `accumulation_dtype` of the layer's tensors.
     operands: the tensors both forms are built from (the factors' dtypes and device, for the choice of a kernel:
         where the direct norm runs as a Triton kernel, as under `mode="flash"`, the factors are built for it).
+    weighted_sum: optional, `sum_b w_b g_b` for row weights `w` `[B]`, shaped like the parameter, by the layer's
+        own weight-gradient routine; rows of weight 0 add exactly 0 (also where their inputs are not finite).
+        Book-keeping's clipped sum of a ghost-norm layer then runs it and need not keep the factors.
     """
 
     operands: tuple[Tensor, Tensor]
@@ -91,6 +94,7 @@ class DeferredOuterGrad:
     conv_groups: int
     factors: Callable[[], OuterGrad]
     dense: Callable[[], Tensor]
+    weighted_sum: Callable[[Tensor], Tensor] | None = None
 
 
 PerSampleGrad = Tensor | OuterGrad | DeferredOuterGrad

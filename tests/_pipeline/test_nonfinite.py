@@ -91,3 +91,26 @@ def test_a_norm_beyond_float32_squares_is_clipped_to_c_not_dropped(mode, backwar
     torch.testing.assert_close(norms.double(), expected_norms, rtol=1e-5, atol=0)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), expected[name], rtol=1e-4, atol=1e-6)
+
+
+def test_skip_drops_a_sample_from_a_convolution_summed_by_its_own_weight_gradient():
+    """bk sums a ghost-norm convolution by the layer's weight gradient from row weights (no factors kept): a
+    sample whose output gradient is NaN (its loss a square root at 0) must add exactly nothing, though NaN * 0 is
+    NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 8, 3, bias=False), nn.Flatten())
+    x = torch.randn(4, 2, 3, 3)
+    x[1] = 0
+    engine = _engine(model, mode="bk", nonfinite="skip", norm_strategy="ghost", expected_batch_size=4)
+    norms = engine.backward(model(x).square().sum(1).sqrt())
+    engine.detach()
+
+    reference = nn.Sequential(nn.Conv2d(2, 8, 3, bias=False), nn.Flatten()).double()
+    reference.load_state_dict(model.state_dict())
+    keep = [0, 2, 3]
+    per_sample = oracle.per_sample_grads(reference, lambda s: reference(x[keep][s].double()).square().sum(1).sqrt(), 3)
+    expected_norms, expected = oracle.clip(per_sample, "flat", 1.0)
+    assert torch.isnan(norms[1]) and engine.skipped_samples == 1
+    torch.testing.assert_close(norms[keep].double(), expected_norms, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), expected[name], rtol=1e-5, atol=1e-6)

@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import flashdp
+from flashdp._pipeline.param_grad import ParamGradient
 from flashdp.per_sample import accumulation_dtype
 from flashdp.rules import conv
 from tests.oracle import check_against_oracle, materialised
@@ -219,3 +220,18 @@ def test_a_weight_tied_across_group_layouts_is_refused_on_the_first_step_whateve
     engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0)
     with pytest.raises(flashdp.FlashDPError, match="do not share a layout"):
         engine.backward(model(torch.randn(2, 4, 6, 6)))
+
+
+@pytest.mark.parametrize("build", [lambda: nn.Conv2d(4, 6, 3, groups=2), lambda: nn.ConvTranspose2d(4, 6, 3, stride=2)])
+def test_bk_sums_a_ghost_norm_convolution_by_its_weight_gradient_and_keeps_no_windows(build):
+    """The clipped sum of a ghost-norm convolution is the layer's weight gradient from its output gradient's rows
+    scaled by the coefficients: bk keeps the layer's input and output gradient, not unfolded windows."""
+    torch.manual_seed(0)
+    layer = build().double()
+    x = torch.randn(3, 4, 5, 5, dtype=torch.float64)
+    rule = conv.conv_transpose_grads if isinstance(layer, nn.ConvTranspose2d) else conv.conv_grads
+    grad = ParamGradient("weight", layer.weight.shape, 3, "ghost")
+    grad.add(rule(layer, (x,), torch.randn_like(layer(x)), frozenset({"weight"}))["weight"], "test")
+    plan = grad.norm_sq(keep_for_sum=True).plan
+    assert plan.factors is None and len(plan.weighted) == 1
+    check_against_oracle(layer, lambda s: per_sample_loss(layer(x[s]).flatten(1)), 3, norm_strategy="ghost")

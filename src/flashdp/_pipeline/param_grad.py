@@ -3,7 +3,9 @@ module called several times, a parameter shared by several modules), and the pla
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,6 +33,8 @@ class ClippedSumPlan:
     factors: OuterGrad | None = None
     #: embedding rows: the sum is an index_add of `c_b g_t`
     tokens: OuterGrad | None = None
+    #: calls whose layer computes its own sum from row weights (`DeferredOuterGrad.weighted_sum`)
+    weighted: tuple[DeferredOuterGrad, ...] = ()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -40,6 +44,7 @@ class ClippedSumPlan:
             tensors += [self.factors.left, self.factors.right]
         if self.tokens is not None:
             tensors.append(self.tokens.right)
+        tensors += [x for call in self.weighted for x in call.operands]
         return accumulation_dtype(*tensors)
 
     def clipped_sum(self, coef: Tensor) -> Tensor:
@@ -57,6 +62,7 @@ class ClippedSumPlan:
             parts.append(kernels.clipped_sum(f.left, f.right, coef, f.conv_groups))
         if self.tokens is not None:
             parts.append(outer_products.token_clipped_sum(self.tokens, coef))
+        parts += [call.weighted_sum(coef) for call in self.weighted]
         return functools.reduce(torch.add, (p if p.shape == self.shape else p.reshape(self.shape) for p in parts))
 
     def dropping(self, keep: Tensor) -> ClippedSumPlan:
@@ -67,7 +73,16 @@ class ClippedSumPlan:
             None if self.per_sample is None else _zero_rows(self.per_sample, keep),
             None if self.factors is None else _drop_samples(self.factors, keep),
             None if self.tokens is None else _drop_samples(self.tokens, keep),
+            tuple(
+                dataclasses.replace(call, weighted_sum=functools.partial(_kept_rows_only, call.weighted_sum, keep))
+                for call in self.weighted
+            ),
         )
+
+
+def _kept_rows_only(weighted_sum: Callable[[Tensor], Tensor], keep: Tensor, weights: Tensor) -> Tensor:
+    """A layer's weighted sum with the rows where `keep` is False weighted by 0 (which zeroes them)."""
+    return weighted_sum(torch.where(keep, weights, 0))
 
 
 def _zero_rows(rows: Tensor, keep: Tensor) -> Tensor:
@@ -122,8 +137,10 @@ class ParamGradient:
         self.generic = False  # counted by the generic rule (shown as the strategy)
         self.dense_direct = False  # a rule's deferred factors were materialised by its cheaper routine
         self._bfloat16_layers: list[bool] = []  # per dense contribution: whether a bfloat16 layer's
+        self._summed_by_layer: list[DeferredOuterGrad | None] = []  # per block: its call, if its layer sums it
         self._layout: tuple[int, tuple[int, int]] | None = None  # (groups, block shape) of factored contributions
         self._users = users
+        self._by_user = users is not None
 
     @classmethod
     def from_plan(cls, name: str, plan: ClippedSumPlan, batch_size: int) -> ParamGradient:
@@ -132,17 +149,21 @@ class ParamGradient:
         if plan.per_sample is not None:
             gradient.per_sample = plan.per_sample.reshape(batch_size, *plan.shape)
         gradient.blocks = [b for b in (plan.factors, plan.tokens) if b is not None]
+        for call in plan.weighted:
+            gradient.add(call, "a kept plan")
         return gradient
 
     def add(self, grad: PerSampleGrad, source: str, generic: bool = False) -> None:
         self.generic |= generic
         bfloat16 = False  # whether a dense contribution is a bfloat16 layer's (kept in bfloat16 by bk)
-        if isinstance(grad, DeferredOuterGrad):
-            self._check_layout(grad.conv_groups, grad.block_shape, source)
-            grad, bfloat16 = self._resolved(grad)
+        deferred = grad if isinstance(grad, DeferredOuterGrad) else None
+        if deferred is not None:
+            self._check_layout(deferred.conv_groups, deferred.block_shape, source)
+            grad, bfloat16 = self._resolved(deferred)
         if isinstance(grad, OuterGrad):
             self._check_block(grad, source)
             self.blocks.append(grad)
+            self._summed_by_layer.append(deferred if deferred is not None and deferred.weighted_sum else None)
             return
         if not isinstance(grad, Tensor) or grad.shape != self._per_sample_shape:
             got = tuple(grad.shape) if isinstance(grad, Tensor) else type(grad).__name__
@@ -255,7 +276,7 @@ class ParamGradient:
         if keep_for_sum:
             if materialised is not None:
                 materialised = materialised.view(self.batch_size, self.shape.numel())  # rows b * g + j, stacked
-            plan = ClippedSumPlan(self.shape, materialised, factors, token_block)
+            plan = self._plan(materialised, factors, token_block)
         total = functools.reduce(torch.add, terms)
         if "ghost" in strategies or len(terms) > 1:
             # a sum of inner products (ghost, cross terms) rounds below 0 where its exact value, a squared norm, is
@@ -264,6 +285,14 @@ class ParamGradient:
         groups = self.blocks[0].conv_groups
         norm_sq = total if groups == 1 else total.view(self.batch_size, groups).sum(1)
         return ParamNorm(norm_sq, "+".join(strategies), plan)
+
+    def _plan(self, materialised: Tensor | None, factors: OuterGrad | None, tokens: OuterGrad | None) -> ClippedSumPlan:
+        """The clipped sum's plan; factors every call of which its layer sums from row weights are not kept (rows
+        are samples here: with users, a row's weight would be its user's coefficient)."""
+        calls = self._summed_by_layer
+        if factors is not None and tokens is None and not self._by_user and calls and all(calls):
+            return ClippedSumPlan(self.shape, materialised, weighted=tuple(calls))
+        return ClippedSumPlan(self.shape, materialised, factors, tokens)
 
     def _choose(self, factors: OuterGrad) -> str:
         return self._strategy_of(factors.right.shape[1], *factors.block_shape)

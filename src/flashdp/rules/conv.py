@@ -90,6 +90,7 @@ def _deferred(
         conv_groups=module.groups,
         factors=factors,
         dense=lambda: _per_sample_weight_grads(module, x, grad_output),
+        weighted_sum=lambda weights: _weighted_weight_grad(module, x, grad_output, weights),
     )
 
 
@@ -97,27 +98,48 @@ def _per_sample_weight_grads(module: Conv | ConvTranspose, x: Tensor, grad_outpu
     """`[B, *weight.shape]`: the weight gradient of ONE convolution over the batch folded into the channels, with
     B times the groups, so that samples never mix. Accumulated in `accumulation_dtype` (16-bit inputs widened:
     their products are exact in float32, also under TF32, which is turned off for float32 inputs on CUDA)."""
-    transposed = isinstance(module, ConvTranspose)
     batch, dtype = x.shape[0], accumulation_dtype(x, grad_output)
+    grads = _weight_grad(module, _folded(x, dtype), _folded(grad_output, dtype), batch)
+    return grads.view(batch, *_weight_shape(module))
+
+
+def _weighted_weight_grad(module: Conv | ConvTranspose, x: Tensor, grad_output: Tensor, weights: Tensor) -> Tensor:
+    """`sum_b w_b g_b` `[*weight.shape]`: the convolution's weight gradient from its output gradient's rows scaled
+    by `weights` `[B]`; the rows of weight 0 zeroed in both inputs (a NaN in them would survive a 0 weight)."""
+    dtype = accumulation_dtype(x, grad_output)
+    rows = (-1, *([1] * (x.dim() - 1)))
+    kept = (weights != 0).view(rows)
+    x = torch.where(kept, cast(x, dtype), 0)
+    grad_output = torch.where(kept, cast(grad_output, dtype) * cast(weights, dtype).view(rows), 0)
+    return _weight_grad(module, x, grad_output, 1)
+
+
+def _weight_grad(module: Conv | ConvTranspose, x: Tensor, grad_output: Tensor, copies: int) -> Tensor:
+    """The weight gradient of the convolution `module` from x to grad_output, its weight repeated `copies` times
+    along dim 0 with as many times the groups (`copies` samples folded into the channels)."""
+    transposed = isinstance(module, ConvTranspose)
     padding: Sequence[int] | str = module.padding
-    if not transposed and (module.padding_mode != "zeros" or isinstance(padding, str)):
-        x, padding = _padded(module, x), [0] * len(module.kernel_size)
+    output_padding = [0] * len(module.kernel_size)
+    if transposed:
+        output_padding = _output_padding(module, x, grad_output)
+    elif module.padding_mode != "zeros" or isinstance(padding, str):
+        x, padding = _padded(module, x), output_padding
     shape = _weight_shape(module)
-    with _full_float32(x, dtype):
+    with _full_float32(x, x.dtype):
         _, grads, _ = torch.ops.aten.convolution_backward(
-            _folded(grad_output, dtype),
-            _folded(x, dtype),
-            x.new_empty((batch * shape[0], *shape[1:]), dtype=dtype),  # (read for its shape)
+            grad_output,
+            x,
+            x.new_empty((copies * shape[0], *shape[1:])),  # (read for its shape)
             None,
             module.stride,
             padding,
             module.dilation,
             transposed,
-            _output_padding(module, x, grad_output) if transposed else [0] * len(module.kernel_size),
-            batch * module.groups,
+            output_padding,
+            copies * module.groups,
             [False, True, False],
         )
-    return grads.view(batch, *shape)
+    return grads
 
 
 def _folded(x: Tensor, dtype: torch.dtype) -> Tensor:

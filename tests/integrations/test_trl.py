@@ -131,21 +131,30 @@ def test_activation_offloading_is_refused(tmp_path):
         sft._check_arguments()
 
 
-def _sft_run(rank: int | None, out: str) -> dict:
-    """DPSFTTrainer for 3 steps, alone or (with `rank`) on process `rank` of 2: its parameters and logged losses."""
+def trained(trainer) -> dict:
+    """Train; the parameters and the logged losses."""
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, "losses": losses}
+
+
+def assert_two_processes_take_the_steps_of_one(run, tmp_path) -> None:
+    """`run(rank, out)` alone (rank None) and on 2 gloo processes: equal logged losses and parameters."""
     from tests.distributed import launch
 
-    sft = trainer(out, per_device_train_batch_size=1, **launch.as_torchrun_process(rank))
-    sft.train()
-    losses = [entry["loss"] for entry in sft.state.log_history if "loss" in entry]
-    return {"params": {n: p.detach().clone() for n, p in sft.model.named_parameters()}, "losses": losses}
-
-
-def test_two_processes_take_the_steps_of_one(tmp_path):
-    from tests.distributed import launch
-
-    one = _sft_run(None, str(tmp_path / "one"))
-    for rank in launch.run(_sft_run, str(tmp_path / "ddp")):
+    one = run(None, str(tmp_path / "one"))
+    for rank in launch.run(run, str(tmp_path / "ddp")):
         assert rank["losses"] == pytest.approx(one["losses"], rel=1e-5)
         for name, p in one["params"].items():
             torch.testing.assert_close(rank["params"][name], p, msg=name)
+
+
+def _sft_run(rank: int | None, out: str) -> dict:
+    """DPSFTTrainer for 3 steps, alone or (with `rank`) on process `rank` of 2."""
+    from tests.distributed import launch
+
+    return trained(trainer(out, per_device_train_batch_size=1, **launch.as_torchrun_process(rank)))
+
+
+def test_two_processes_take_the_steps_of_one(tmp_path):
+    assert_two_processes_take_the_steps_of_one(_sft_run, tmp_path)

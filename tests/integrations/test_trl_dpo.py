@@ -14,7 +14,14 @@ from trl import DPOConfig
 from flashdp import FlashDPError
 from flashdp.integrations.transformers import PrivacyArguments
 from flashdp.integrations.trl import DPDPOTrainer
-from tests.integrations.test_trl import COMPLETIONS, PROMPTS, llama, tokenizer
+from tests.integrations.test_trl import (
+    COMPLETIONS,
+    PROMPTS,
+    assert_two_processes_take_the_steps_of_one,
+    llama,
+    tokenizer,
+    trained,
+)
 
 C, LR, EXPECTED = 0.05, 0.1, 4
 
@@ -113,22 +120,15 @@ def test_losses_that_mix_records_or_that_it_does_not_compute_are_refused(tmp_pat
 
 
 def _dpo_run(rank: int | None, out: str) -> dict:
-    """DPDPOTrainer for 3 steps (noise on), alone or (with `rank`) on process `rank` of 2: parameters and losses."""
+    """DPDPOTrainer for 3 steps (noise on), alone or (with `rank`) on process `rank` of 2."""
     from tests.distributed import launch
 
     privacy = PrivacyArguments(expected_batch_size=3, noise_multiplier=0.7, seed=5)
-    dpo = trainer(out, privacy, max_steps=3, per_device_train_batch_size=1, **launch.as_torchrun_process(rank))
-    dpo.train()
-    losses = [entry["loss"] for entry in dpo.state.log_history if "loss" in entry]
-    return {"params": {n: p.detach().clone() for n, p in dpo.model.named_parameters()}, "losses": losses}
+    return trained(
+        trainer(out, privacy, max_steps=3, per_device_train_batch_size=1, **launch.as_torchrun_process(rank))
+    )
 
 
 def test_two_processes_take_the_steps_of_one(tmp_path):
     """Records shared across 2 processes, a process without records in a micro-batch running a padding record."""
-    from tests.distributed import launch
-
-    one = _dpo_run(None, str(tmp_path / "one"))
-    for rank in launch.run(_dpo_run, str(tmp_path / "ddp")):
-        assert rank["losses"] == pytest.approx(one["losses"], rel=1e-5)
-        for name, p in one["params"].items():
-            torch.testing.assert_close(rank["params"][name], p, msg=name)
+    assert_two_processes_take_the_steps_of_one(_dpo_run, tmp_path)

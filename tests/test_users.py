@@ -469,3 +469,20 @@ def test_a_non_finite_user_gradient_is_named_by_its_user_id_and_rows():
         refused = pytest.raises(FlashDPError, match=r"per-user gradient of user 99 \(rows \[5\]\) is not finite")
         with refused:
             engine.backward(model(x, z), users=torch.tensor([42, 42, 42, 42, 17, 99]))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_step_whose_users_group_the_rows_otherwise_is_verified_again(mode):
+    """The same layers, sizes and loss code; only the users change: pairs within users at step 1, a pair across
+    two users at step 2 (the check weights by user, so what it verified holds for that grouping only)."""
+    build, data = MODELS["transformer"]
+    model = build().double()
+    x = data(4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with flashdp.make_private(
+        model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, optimizer=optimizer, expected_batch_size=2
+    ) as engine:
+        engine.backward(pair_losses(per_sample_loss(model(x)), 2), users=torch.tensor([0, 1, 0, 1]))
+        engine.step()
+        with pytest.raises(FlashDPError, match="Self-check failed"):
+            engine.backward(pair_losses(per_sample_loss(model(x)), 2), users=torch.tensor([0, 0, 1, 1]))

@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("trl")
 
 from datasets import Dataset
+from transformers import MixtralConfig, MixtralForCausalLM
 from trl import DPOConfig
 
 from flashdp import FlashDPError
@@ -31,7 +32,7 @@ def preferences() -> Dataset:
     return Dataset.from_dict({"prompt": PROMPTS * 2, "chosen": COMPLETIONS * 2, "rejected": rejected * 2})
 
 
-def trainer(out, privacy=None, **config) -> DPDPOTrainer:
+def trainer(out, privacy=None, model=None, dataset=None, **config) -> DPDPOTrainer:
     settings = {
         "output_dir": str(out), "per_device_train_batch_size": 2, "max_steps": 1, "learning_rate": LR,
         "optim": "sgd", "lr_scheduler_type": "constant", "report_to": [], "use_cpu": True, "save_strategy": "no",
@@ -39,7 +40,8 @@ def trainer(out, privacy=None, **config) -> DPDPOTrainer:
     }  # fmt: skip
     privacy = privacy or PrivacyArguments(expected_batch_size=EXPECTED, noise_multiplier=0.0, seed=3)
     return DPDPOTrainer(
-        model=llama(), ref_model=llama(), args=DPOConfig(**settings), train_dataset=preferences(),
+        model=model or llama(), ref_model=copy.deepcopy(model) if model else llama(), args=DPOConfig(**settings),
+        train_dataset=dataset or preferences(),
         processing_class=tokenizer(), privacy=privacy,
     )  # fmt: skip
 
@@ -132,3 +134,32 @@ def _dpo_run(rank: int | None, out: str) -> dict:
 def test_two_processes_take_the_steps_of_one(tmp_path):
     """Records shared across 2 processes, a process without records in a micro-batch running a padding record."""
     assert_two_processes_take_the_steps_of_one(_dpo_run, tmp_path)
+
+
+def test_reference_columns_in_the_data_are_read_only_when_trl_precomputed_them(tmp_path):
+    """A dataset carrying ref_chosen_logps / ref_rejected_logps (saved by an earlier run) without
+    precompute_ref_log_probs: TRL scores against its reference model, and so must DPDPOTrainer."""
+    stale = preferences().add_column("ref_chosen_logps", [5.0] * 12).add_column("ref_rejected_logps", [-5.0] * 12)
+    dpo = trainer(tmp_path, dataset=stale)
+    torch.manual_seed(0)
+    _trained_a_little(dpo)
+    records = [dpo.train_dataset[i] for i in range(3)]
+    assert "ref_chosen_logps" in dpo.train_collator()(records), "the collator passes the columns through"
+    ours, _ = dpo.engine_losses(dpo.model, dpo.train_collator()(records), None)
+    for i, record in enumerate(records):
+        theirs = dpo._compute_loss(dpo.model, dpo.data_collator([record]), return_outputs=False)
+        torch.testing.assert_close(ours[i], theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_routers_auxiliary_loss_is_refused(tmp_path):
+    """TRL adds a mixture-of-experts router's load-balancing loss (a statistic of the batch) wherever the model has
+    a router and router_aux_loss_coef != 0, whatever config.output_router_logits says."""
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=31, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, eos_token_id=1,
+        router_aux_loss_coef=0.01,
+    )  # fmt: skip
+    assert not config.output_router_logits
+    with pytest.raises(FlashDPError, match="not supported: router_aux_loss_coef"):
+        trainer(tmp_path, model=MixtralForCausalLM(config))

@@ -118,7 +118,7 @@ def measure(
     if checking:
         known = known.self_checked(index)
     routed = routing.of(graph, known.plan, calls, known.shared_sites) if batch > 1 else routing.NONE
-    new_structure = not known.trusts(structure(known.plan, shapes, batch), routed)
+    new_structure = not known.trusts(_structure(known.plan, shapes, users, batch), routed)
     new_structure = new_structure or (not checking and learning.uncovered(known, graph, calls, parts.registered))
     if checking or new_structure:
         plan = known.plan
@@ -153,8 +153,17 @@ def measure(
     measurement = _finish(parts, known, graph, outcome, keeps, checking)
     # a batch of one decides no layout: every dim fits it, its rows are all its own
     if batch > 1 and outcome.decided and (verify or new_structure):
-        known = known.verifying(structure(known.plan, shapes, batch), outcome.routed, structure(known.plan, shapes, 1))
+        known = known.verifying(
+            _structure(known.plan, shapes, users, batch), outcome.routed, structure(known.plan, shapes, 1)
+        )
     return measurement, known
+
+
+def _structure(plan: GradientPlan, shapes: list, users: UserGroups | None, batch: int) -> tuple:
+    """`layout.structure`, and with users their partition of the rows: the batch-independence check weights by
+    user, so a step whose users group the rows otherwise (a pair across two users) is verified again."""
+    layout = structure(plan, shapes, batch)
+    return layout if users is None or not users.partition else (*layout, ("users", users.partition))
 
 
 def _unverifiable(known: Knowledge, graph: LossGraph, calls: list[Call], shapes: list) -> list[Ambiguous]:

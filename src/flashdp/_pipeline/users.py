@@ -33,11 +33,14 @@ class UserGroups:
     """The users of one backward's B rows, numbered 0..U-1 by first appearance.
 
     index: `[B]` each row's user (on the loss's device). members: `[U, K]` each user's rows in batch order,
-    padded with B (K = the most rows any user has). ids: `[U]` the users' ids (on the CPU)."""
+    padded with B (K = the most rows any user has). ids: `[U]` the users' ids (on the CPU). partition: each row's
+    user number on the host, or () where every user has one row: which rows may mix, what a verified layout of a
+    user-level step rests on besides the layers' sizes."""
 
     index: Tensor
     members: Tensor
     ids: Tensor
+    partition: tuple[int, ...] = ()
 
     @staticmethod
     def of(users: object, batch: int, device: torch.device) -> UserGroups:
@@ -58,7 +61,8 @@ class UserGroups:
         position = torch.arange(batch) - starts[index[by_user]]
         members = torch.full((len(order), int(counts.max())), batch)
         members[index[by_user], position] = by_user
-        return UserGroups(index.to(device), members.to(device), unique[order])
+        partition = tuple(index.tolist()) if members.shape[1] > 1 else ()
+        return UserGroups(index.to(device), members.to(device), unique[order], partition)
 
     @property
     def count(self) -> int:

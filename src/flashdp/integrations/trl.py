@@ -71,7 +71,8 @@ class DPDPOTrainer(DPTrainer, DPOTrainer):
     "hinge" or "ipo" (several, weighted by `loss_weights`), on the completion tokens' summed log-probabilities
     against the reference model's (computed as TRL does, or precomputed). Refused: loss types that sort or
     average over the batch, `f_divergence_type` other than "reverse_kl", `ld_alpha`, `use_weighting`,
-    `padding_free`, Liger kernels and a router's auxiliary loss. With `PrivacyArguments.user_column`, a user's
+    `padding_free`, Liger kernels, `activation_offloading`, and a router's auxiliary loss (a model with a router and
+    `router_aux_loss_coef` other than 0: set it to 0). With `PrivacyArguments.user_column`, a user's
     records are clipped together.
     """
 
@@ -84,7 +85,9 @@ class DPDPOTrainer(DPTrainer, DPOTrainer):
             "use_weighting": args.use_weighting,
             "padding_free": getattr(args, "padding_free", False),
             "use_liger_kernel": getattr(args, "use_liger_kernel", False),
-            "output_router_logits": getattr(getattr(self.model, "config", None), "output_router_logits", False),
+            "activation_offloading": getattr(args, "activation_offloading", False),
+            # (TRL adds the router's loss wherever the model has one and router_aux_loss_coef != 0)
+            "router_aux_loss_coef": getattr(self, "aux_loss_enabled", False),
         }
         if any(unsupported.values()):
             names = ", ".join(name for name, on in unsupported.items() if on)
@@ -92,7 +95,8 @@ class DPDPOTrainer(DPTrainer, DPOTrainer):
                 f"DPDPOTrainer computes each preference record's loss alone, as TRL does for a batch of one with "
                 f"loss_type in {PAIR_LOSSES}, reverse-KL scores, no length or weighting terms, one record per row "
                 f"pair: these settings are not supported: {names}. (Loss types that sort or average over the batch, "
-                "and a router's auxiliary loss, mix records, so no record's gradient could be clipped alone.)"
+                "and a router's auxiliary loss, mix records, so no record's gradient could be clipped alone: for a "
+                "model with a router, set router_aux_loss_coef=0.)"
             )
         trainer_checks.check_arguments(self, own_losses=False)
 
@@ -132,7 +136,7 @@ class DPDPOTrainer(DPTrainer, DPOTrainer):
     def _reference(self, model: nn.Module, rows: dict[str, Tensor], inputs: dict[str, Any]) -> Tensor:
         """`[2P]` the reference model's summed completion log-probabilities: precomputed, or by TRL (without
         gradients: the engine records no call of it)."""
-        if "ref_chosen_logps" in inputs:
+        if self.precompute_ref_logps:  # (not whenever the columns are there: TRL reads them only then)
             return torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).to(rows["input_ids"].device)
         return torch.cat(self.compute_ref_log_probs(self.ref_model if self.ref_model is not None else model, rows))
 

@@ -110,8 +110,8 @@ def measure(
     `learning.uncovered`), verification on a forward structure not yet verified or newly covered, the self-check
     when due, and every rank's agreement on them. With `users`, the norms are those of each user's rows together.
 
-    A structure is trusted only under the routing it was verified under (`routing.py`): a step whose rows move
-    otherwise between a rule site's output and the loss (index values from the data, other ops) is verified
+    A structure (with users, their partition of the rows too) is trusted only under the routing it was verified
+    under (`routing.py`): a step whose rows move otherwise between a rule site's output and the loss is verified
     again, or refused where no verifying pass can run."""
     batch, graph, shapes = loss.shape[0], LossGraph(loss, users), shapes_of(calls)
     checking = known.self_check.due(index)
@@ -153,10 +153,15 @@ def measure(
     measurement = _finish(parts, known, graph, outcome, keeps, checking)
     # a batch of one decides no layout: every dim fits it, its rows are all its own
     if batch > 1 and outcome.decided and (verify or new_structure):
-        known = known.verifying(
-            _structure(known.plan, shapes, users, batch), outcome.routed, structure(known.plan, shapes, 1)
-        )
+        known = _verified(known, shapes, users, batch, outcome.routed)
     return measurement, known
+
+
+def _verified(
+    known: Knowledge, shapes: list, users: UserGroups | None, batch: int, routed: routing.Routing
+) -> Knowledge:
+    """This step's structure verified under `routed`, and a batch of one's with it."""
+    return known.verifying(_structure(known.plan, shapes, users, batch), routed, structure(known.plan, shapes, 1))
 
 
 def _structure(plan: GradientPlan, shapes: list, users: UserGroups | None, batch: int) -> tuple:

@@ -235,3 +235,37 @@ def test_bk_sums_a_ghost_norm_convolution_by_its_weight_gradient_and_keeps_no_wi
     plan = grad.norm_sq(keep_for_sum=True).plan
     assert plan.factors is None and len(plan.weighted) == 1
     check_against_oracle(layer, lambda s: per_sample_loss(layer(x[s]).flatten(1)), 3, norm_strategy="ghost")
+
+
+class Frames(nn.Module):
+    """A video model's per-frame convolution: `[B, F, c, *S]` frames folded into the batch (B * F rows, sample-
+    major), as TimeSformer-style patch embeddings do, then unfolded again."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layer(x.flatten(0, 1))
+        return out.unflatten(0, x.shape[:2]).flatten(1).tanh()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    frames=st.integers(2, 3),
+    batch=st.integers(2, 3),
+    transposed=st.booleans(),
+    groups=st.sampled_from([1, 2]),
+    mode=modes,
+    strategy=norm_strategies,
+)
+def test_a_convolution_on_frames_folded_into_the_batch_matches_oracle(
+    frames, batch, transposed, groups, mode, strategy
+):
+    """k rows per sample: a sample's gradient sums its frames' (their positions together, or one grouped
+    convolution with the frames as its batch)."""
+    torch.manual_seed(frames * 10 + batch)
+    layer = nn.ConvTranspose2d(4, 6, 3, stride=2, groups=groups) if transposed else nn.Conv2d(4, 6, 3, groups=groups)
+    model = Frames(layer).double()
+    x = torch.randn(batch, frames, 4, 5, 5, dtype=torch.float64)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode, norm_strategy=strategy)

@@ -40,16 +40,17 @@ def conv_grads(module: Conv, inputs: tuple, grad_output: Tensor, trainable: froz
     unfolded windows, or direct norm from per-sample gradients computed as ONE convolution weight gradient with the
     batch folded into the groups (no windows unfolded).
 
-    x `[B, c, *S]`, G `[B, o, *S_out]` -> weight (`DeferredOuterGrad`) and bias `[B, o]`."""
+    x `[B, c, *S]`, G `[B, o, *S_out]` -> weight (`DeferredOuterGrad`) and bias `[B, o]`. Also `[B, k, c, *S]`:
+    k rows per sample (frames folded into the batch), whose positions add up."""
     x = _batched(module, inputs[0])
-    out = _bias(grad_output, trainable)
+    out = _bias(module, grad_output, trainable)
     if "weight" in trainable:
-        out["weight"] = _deferred(
-            module,
-            x,
-            grad_output,
-            factors=lambda: _grouped(grad_output, _unfold(_padded(module, x), module, module.groups), module.groups),
-        )
+
+        def factors() -> OuterGrad:
+            windows = _unfold(_padded(module, _rows(module, x)), module, module.groups)
+            return _per_sample_blocks(_grouped(_rows(module, grad_output), windows, module.groups), x.shape[0])
+
+        out["weight"] = _deferred(module, x, grad_output, factors)
     return out
 
 
@@ -61,16 +62,17 @@ def conv_transpose_grads(
     into the groups.
 
     x `[B, c, *S]`, G `[B, o, *S_out]` -> weight `[c, o/g, *k]` (`DeferredOuterGrad`) and bias `[B, o]`: the
-    weight gradient of the convolution from G (zero-padded by `padding`) to x."""
+    weight gradient of the convolution from G (zero-padded by `padding`) to x. Also k rows per sample, as Conv."""
     x = _batched(module, inputs[0])
-    out = _bias(grad_output, trainable)
+    out = _bias(module, grad_output, trainable)
     if "weight" in trainable:
         padding = [p for size in reversed(module.padding) for p in (size, size)]
 
         def factors() -> OuterGrad:
-            padded = F.pad(grad_output, padding) if any(padding) else grad_output
-            windows = _unfold(padded, module, module.groups, x.shape[2:])
-            return _grouped(x, windows, module.groups)
+            rows = _rows(module, grad_output)
+            spatial = x.shape[-len(module.kernel_size) :]
+            windows = _unfold(F.pad(rows, padding) if any(padding) else rows, module, module.groups, spatial)
+            return _per_sample_blocks(_grouped(_rows(module, x), windows, module.groups), x.shape[0])
 
         out["weight"] = _deferred(module, x, grad_output, factors)
     return out
@@ -83,23 +85,31 @@ def _deferred(
     sample, over the positions of the factor not unfolded), or materialised by `_per_sample_weight_grads`."""
     shape = _weight_shape(module)
     not_unfolded = x if isinstance(module, ConvTranspose) else grad_output
+    rows = _rows(module, x).shape[0] // x.shape[0]  # per sample
     return DeferredOuterGrad(
         operands=(x, grad_output),
-        positions=math.prod(not_unfolded.shape[2:]),
+        positions=rows * math.prod(not_unfolded.shape[-len(module.kernel_size) :]),
         block_shape=(shape[0] // module.groups, math.prod(shape[1:])),
         conv_groups=module.groups,
         factors=factors,
         dense=lambda: _per_sample_weight_grads(module, x, grad_output),
-        weighted_sum=lambda weights: _weighted_weight_grad(module, x, grad_output, weights),
+        weighted_sum=lambda w: _weighted_weight_grad(
+            module, _rows(module, x), _rows(module, grad_output), w.repeat_interleave(rows)
+        ),
     )
+
+
+def _rows(module: Conv | ConvTranspose, x: Tensor) -> Tensor:
+    """`[B, k, c, *S]` (k rows per sample) -> the rows `[B * k, c, *S]`; `[B, c, *S]` as it is."""
+    return x.flatten(0, 1) if x.dim() == len(module.kernel_size) + 3 else x
 
 
 def _per_sample_weight_grads(module: Conv | ConvTranspose, x: Tensor, grad_output: Tensor) -> Tensor:
     """`[B, *weight.shape]`: the weight gradient of ONE convolution over the batch folded into the channels, with
     B times the groups, so that samples never mix. Accumulated in `accumulation_dtype` (16-bit inputs widened:
     their products are exact in float32, also under TF32, which is turned off for float32 inputs on CUDA)."""
-    batch, dtype = x.shape[0], accumulation_dtype(x, grad_output)
-    grads = _weight_grad(module, _folded(x, dtype), _folded(grad_output, dtype), batch)
+    batch, dtype, spatial = x.shape[0], accumulation_dtype(x, grad_output), len(module.kernel_size)
+    grads = _weight_grad(module, _folded(x, dtype, spatial), _folded(grad_output, dtype, spatial), batch)
     return grads.view(batch, *_weight_shape(module))
 
 
@@ -142,10 +152,13 @@ def _weight_grad(module: Conv | ConvTranspose, x: Tensor, grad_output: Tensor, c
     return grads
 
 
-def _folded(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """`[B, c, *S]` -> `[1, B * c, *S]` with row-major strides, also in its size-1 dims (a tensor contiguous but
-    for the stride of a size-1 dim made CPU's transposed convolution refuse its own weight gradient)."""
-    folded = cast(x, dtype).reshape(1, -1, *x.shape[2:])
+def _folded(x: Tensor, dtype: torch.dtype, spatial: int) -> Tensor:
+    """`[B, c, *S]` -> `[1, B * c, *S]`, or `[B, k, c, *S]` (k rows per sample) -> `[k, B * c, *S]`: the samples in
+    the channels, their rows the convolution's batch (over which its weight gradient sums). Row-major strides, also
+    in size-1 dims (a tensor contiguous but for the stride of a size-1 dim made CPU's transposed convolution refuse
+    its own weight gradient)."""
+    rows = x if x.dim() == spatial + 3 else x.unsqueeze(1)
+    folded = cast(rows, dtype).transpose(0, 1).reshape(rows.shape[1], -1, *rows.shape[3:])
     strides = [math.prod(folded.shape[i + 1 :]) for i in range(folded.dim())]
     return folded if list(folded.stride()) == strides else folded.clone(memory_format=torch.contiguous_format)
 
@@ -186,8 +199,9 @@ def _weight_shape(module: Conv | ConvTranspose) -> tuple[int, ...]:
 
 
 def _batched(module: Conv | ConvTranspose, x: Tensor) -> Tensor:
+    """x `[B, c, *S]`, or `[B, k, c, *S]` where the engine found k rows per sample (frames folded into the batch)."""
     spatial = len(module.kernel_size)
-    if x.dim() != spatial + 2:
+    if x.dim() not in (spatial + 2, spatial + 3):
         raise FlashDPError(
             f"Wrong shape: {type(module).__name__} expects a batched input [B, C, ...] with {spatial + 2} dims. "
             f"Received {x.dim()} dims {tuple(x.shape)}. Add the batch dimension."
@@ -195,8 +209,12 @@ def _batched(module: Conv | ConvTranspose, x: Tensor) -> Tensor:
     return x
 
 
-def _bias(grad_output: Tensor, trainable: frozenset[str]) -> dict[str, PerSampleGrad]:
-    return {"bias": sum_over_positions(grad_output.movedim(1, -1), 1)} if "bias" in trainable else {}
+def _bias(module: Conv | ConvTranspose, grad_output: Tensor, trainable: frozenset[str]) -> dict[str, PerSampleGrad]:
+    """`[B, o]`: the output gradient `[B, (k,) o, *S]` summed over each sample's rows and positions."""
+    if "bias" not in trainable:
+        return {}
+    channels = grad_output.dim() - len(module.kernel_size) - 1
+    return {"bias": sum_over_positions(grad_output.movedim(channels, -1), 1)}
 
 
 def _padded(module: Conv, x: Tensor) -> Tensor:
@@ -220,6 +238,20 @@ def _unfold(x: Tensor, module: Conv | ConvTranspose, groups: int, positions: Seq
     count = math.prod(x.shape[3 : 3 + spatial])
     order = [0, 1, *range(3, 3 + spatial), 2, *range(3 + spatial, 3 + 2 * spatial)]
     return x.permute(order).reshape(x.shape[0] * groups, count, -1)
+
+
+def _per_sample_blocks(block: OuterGrad, batch: int) -> OuterGrad:
+    """A block of the rows `(b, j, group)` (k rows j per sample) as one of `(b, group)` over the k rows' positions
+    together: a sample's gradient sums its rows'."""
+    rows = block.right.shape[0] // (batch * block.conv_groups)
+    if rows == 1:
+        return block
+
+    def merged(factor: Tensor) -> Tensor:
+        by_row = factor.unflatten(0, (batch, rows, block.conv_groups)).transpose(1, 2)
+        return by_row.reshape(batch * block.conv_groups, -1, factor.shape[-1])
+
+    return OuterGrad(merged(block.left), merged(block.right), conv_groups=block.conv_groups)
 
 
 def _grouped(grad: Tensor, windows: Tensor, groups: int) -> OuterGrad:

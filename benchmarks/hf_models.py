@@ -47,7 +47,7 @@ WORKLOADS = "wrn,vitsmall,bert,gpt2,llama"
 MODES = ("non-private", "flashdp-bk", "flashdp-ghost", "opacus-hooks", "opacus-ghost")
 
 
-def time_modes(model: str, rounds: int) -> dict[str, list[float] | str]:
+def time_modes(model: str, rounds: int, device: str = "cpu") -> dict[str, list[float] | str]:
     seq, batch = SHAPES[model]
     steps, results = {}, {}
     for mode in MODES:
@@ -56,7 +56,7 @@ def time_modes(model: str, rounds: int) -> dict[str, list[float] | str]:
             results[mode] = reason
             continue
         try:
-            steps[mode] = make_step(model, mode, seq, batch)
+            steps[mode] = make_step(model, mode, seq, batch, device)
             steps[mode]()  # warm-up
         except Exception as error:  # a library that cannot train this model: say why
             results[mode] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
@@ -66,6 +66,8 @@ def time_modes(model: str, rounds: int) -> dict[str, list[float] | str]:
         for mode, step in steps.items():
             start = time.perf_counter()
             step()
+            if device == "cuda":
+                torch.cuda.synchronize()
             times[mode].append((time.perf_counter() - start) * 1000)
     return results | times
 
@@ -90,9 +92,10 @@ def main() -> None:
     parser.add_argument("--models", default="vit,t5")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--workloads", action="store_true", help=f"the models {WORKLOADS}, in their own section")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (with --no-write: the sections are CPU's)")
     args = parser.parse_args()
     models = WORKLOADS if args.workloads else args.models
-    found = {model: time_modes(model, args.rounds) for model in models.split(",")}
+    found = {model: time_modes(model, args.rounds, args.device) for model in models.split(",")}
     text = table(found)
     print(text)
     if not args.no_write:

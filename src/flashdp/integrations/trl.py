@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from trl import DPOTrainer, SFTTrainer
 
+import flashdp
 from flashdp.errors import FlashDPError
 from flashdp.integrations import trainer_checks
 from flashdp.integrations.transformers import DPTrainer
@@ -165,5 +166,5 @@ class _PairRows:
 
 def _completion_logps(logits: Tensor, input_ids: Tensor, completion_mask: Tensor) -> Tensor:
     """`[N]` each row's summed log-probability of its completion tokens (next-token, in float32)."""
-    logps = logits[:, :-1].float().log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0]
-    return (logps * completion_mask[:, 1:]).sum(1)
+    labels = input_ids.masked_fill(completion_mask == 0, -100)
+    return -flashdp.per_sample_lm_loss(logits, labels, reduction="sum")

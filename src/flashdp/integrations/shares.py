@@ -50,11 +50,15 @@ def rank_pieces(
     this rank has no rows for."""
     size = batch_size(batch)
     owners = _owners(batch, size, world, users_key)
-    shares = [_micro_batches(batch, size, owners == r, max_size, users_key) for r in range(world)]
-    mine = shares[rank]
+    mine = _micro_batches(batch, size, owners == rank, max_size, users_key)
+    # how many micro-batches each rank runs, counted on the row ids (and users) alone, not on copies of its rows
+    ids = {"row": torch.arange(size, device=_device(batch))} | (
+        {} if users_key is None else {users_key: batch[users_key]}
+    )
+    most = max(len(_micro_batches(ids, size, owners == r, max_size, users_key)) for r in range(world))
     for micro in mine:
         yield Piece(micro, batch_size(micro))
-    for _ in range(max(1, *(len(share) for share in shares)) - len(mine)):
+    for _ in range(max(1, most) - len(mine)):
         yield Piece(padding_row(), 0)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,24 +30,16 @@ def main() -> None:
     args = parser.parse_args()
     sys.path[:0] = [str(args.tree.resolve() / "src"), str(ROOT)]
     import flashdp
-    from benchmarks.harness import make_step
+    from benchmarks.harness import interleaved_times, make_step
 
     modes = args.modes.split(",")
     print(f"flashdp from {Path(flashdp.__file__).parent}")
     for batch in args.batch:
         steps = {mode: make_step(args.model, mode, args.seq, batch) for mode in modes}
-        times: dict[str, list[float]] = {mode: [] for mode in modes}
         for step in steps.values():  # warm-up
             step()
-        for _ in range(args.rounds):
-            for mode, step in steps.items():
-                start = time.perf_counter()
-                step()
-                times[mode].append(time.perf_counter() - start)
-        base = statistics.median(times[modes[0]])
-        cells = [
-            f"{m} {statistics.median(times[m]) * 1000:.0f} ms {statistics.median(times[m]) / base:.2f}x" for m in modes
-        ]
+        median = {mode: statistics.median(ms) for mode, ms in interleaved_times(steps, args.rounds).items()}
+        cells = [f"{m} {median[m]:.0f} ms {median[m] / median[modes[0]]:.2f}x" for m in modes]
         print(f"{args.model} B={batch}: " + "  ".join(cells))
 
 

@@ -6,6 +6,7 @@ backward and optimizer step (with noise for the DP modes) on fixed data.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -187,3 +188,22 @@ def _opacus_step(model, mode, x, y, batch) -> Callable[[], None]:
         optimizer.zero_grad()
 
     return ghost_step
+
+
+def interleaved_times(steps: dict[str, Callable[[], None]], rounds: int, device: str = "cpu") -> dict[str, list[float]]:
+    """Each step's time in ms over `rounds` interleaved rounds (one of each step per round, in order), so that drift
+    on a shared machine hits them alike; the device synchronised around each step. Warm the steps up first."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            _sync(device)
+            start = time.perf_counter()
+            step()
+            _sync(device)
+            times[name].append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()

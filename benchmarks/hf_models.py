@@ -18,7 +18,6 @@ import datetime
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import flashdp  # noqa: E402
-from benchmarks.harness import make_step, unavailable  # noqa: E402
+from benchmarks.harness import interleaved_times, make_step, unavailable  # noqa: E402
 from benchmarks.sections import write_section  # noqa: E402
 
 #: model -> (seq: tokens per sequence or image side, batch)
@@ -61,15 +60,7 @@ def time_modes(model: str, rounds: int, device: str = "cpu") -> dict[str, list[f
         except Exception as error:  # a library that cannot train this model: say why
             results[mode] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
             steps.pop(mode, None)
-    times: dict[str, list[float]] = {mode: [] for mode in steps}
-    for _ in range(rounds):
-        for mode, step in steps.items():
-            start = time.perf_counter()
-            step()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times[mode].append((time.perf_counter() - start) * 1000)
-    return results | times
+    return results | interleaved_times(steps, rounds, device)
 
 
 def table(found: dict[str, dict[str, list[float] | str]]) -> str:

@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -33,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import flashdp  # noqa: E402
-from benchmarks.harness import MODES, make_step, unavailable  # noqa: E402
+from benchmarks.harness import MODES, interleaved_times, make_step, unavailable  # noqa: E402
 
 OUT = ROOT / "docs" / "benchmarks"
 #: (model, x name, x value, seq, batch): the Llama-like decoder over T (and B at T=256), the CNN over B.
@@ -58,15 +57,7 @@ def worker_time(model: str, seq: int, batch: int, rounds: int, device: str) -> d
     steps = {m: make_step(model.split("_")[0], m, seq, batch, device) for m in modes}
     for m in modes:  # warm-up
         steps[m]()
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    for _ in range(rounds):
-        for m in modes:
-            _sync(device)
-            start = time.perf_counter()
-            steps[m]()
-            _sync(device)
-            times[m].append((time.perf_counter() - start) * 1000)
-    return times
+    return interleaved_times(steps, rounds, device)
 
 
 def worker_memory(model: str, mode: str, seq: int, batch: int, device: str) -> dict:
@@ -88,11 +79,6 @@ def worker_memory(model: str, mode: str, seq: int, batch: int, device: str) -> d
 def _rss_now_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _subprocess(args: list[str]) -> dict:

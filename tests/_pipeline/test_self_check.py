@@ -5,11 +5,12 @@ from unittest import mock
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import flashdp
 from flashdp import FlashDPError
 from flashdp._pipeline import outer_products, self_check
+from flashdp._pipeline.param_grad import ClippedSumPlan
 from tests.oracle import check_against_oracle, per_sample_grads
 from tests.strategies import per_sample_loss
 
@@ -228,3 +229,66 @@ def test_row_sketches_pass_scaled_rows_exactly_and_catch_mixed_ones(shape, dim, 
     mixed[1] = mixed[2]  # sample 1's rows are another sample's
     mixed = mixed.reshape(grad.movedim(dim, 0).shape).movedim(0, dim)
     assert sketch.fails(mixed, torch.Size(shape), dim, weights, rtol=self_check.tolerance([dtype]))
+
+
+@pytest.mark.parametrize("wrong", ["negated", "rows swapped"])
+def test_a_wrong_clipped_sum_is_caught_in_bk(wrong):
+    """A bug in bk's clipped sum that leaves the norms right (the gradient negated, two of its rows swapped) is
+    caught through the projections of autograd's gradient, taken before the norm pass."""
+    original = ClippedSumPlan.clipped_sum
+
+    def clipped_sum(plan, coef):
+        gradient = original(plan, coef)
+        if wrong == "negated":
+            return -gradient
+        return gradient[[1, 0, *range(2, len(gradient))]] if gradient.dim() == 2 else gradient
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with (
+        mock.patch.object(ClippedSumPlan, "clipped_sum", clipped_sum),
+        _engine(model, mode="bk") as engine,
+        pytest.raises(FlashDPError, match=rf"(?s){DIFFERS}.*the gradient it would add"),
+    ):
+        engine.backward(per_sample_loss(model(torch.randn(4, 5, 3))))
+
+
+def test_streamed_gradients_reduces_each_gradient_as_autograd_computes_it():
+    """Leaves (reduced in their hook, a zero-strided stand-in returned to autograd), a tensor computed from a leaf
+    (reduced after the pass, its hook would change what flows to the leaf), and a tensor the target does not reach
+    (None): each reduced once, equal to autograd's gradient; the graph is kept."""
+    weight, bias, unused = (torch.randn(n, requires_grad=True) for n in (6, 3, 2))
+    scaled = weight * 2.0  # reached through the leaf `weight`: both are asked for
+    x = torch.randn(5, 2, 3)
+    target = ((x @ scaled.view(2, 3).T + bias[:2]) ** 2).sum()
+    tensors = {"weight": weight, "scaled": scaled, "bias": bias, "unused": unused}
+    expected = dict(
+        zip(
+            tensors,
+            torch.autograd.grad(target, list(tensors.values()), retain_graph=True, allow_unused=True),
+            strict=True,
+        )
+    )
+    seen: dict[str, tuple[Tensor | None, int]] = {}
+
+    def reduce(key, gradient, seed):
+        assert key not in seen
+        seen[key] = (None if gradient is None else gradient.clone(), seed)
+
+    self_check.streamed_gradients(target, tensors, reduce)
+    assert seen["unused"] == (None, 3)
+    for seed, key in enumerate(["weight", "scaled", "bias"]):
+        torch.testing.assert_close(seen[key][0], expected[key], rtol=0, atol=0)
+        assert seen[key][1] == seed
+    torch.autograd.grad(target, [weight])  # (the graph was kept)
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 6), (4, 3, 2, 2), ()])
+def test_projections_estimate_the_norm_of_a_difference(shape):
+    """`project` is linear and the same for a seed; over many seeds the mean square of the projections of a
+    difference is its squared norm (E[(u^T D v)^2] = ||D||^2), so a gradient off by d is told apart from one off by
+    rounding."""
+    a, d = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+    torch.testing.assert_close(self_check.project(a + d, 5), self_check.project(a, 5) + self_check.project(d, 5))
+    mean_square = torch.stack([self_check.project(d, seed).square().mean() for seed in range(2000)]).mean()
+    torch.testing.assert_close(mean_square, d.square().sum(), rtol=0.15, atol=0)
+    assert (self_check.project(a, 5) - self_check.project(a.float(), 5)).abs().max() < 1e-4 * (1 + a.norm())

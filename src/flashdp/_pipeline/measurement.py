@@ -1,10 +1,11 @@
 """Measuring one backward: the per-sample norms of every trainable parameter the loss reaches, checked.
 
-`measure` is the one place that retries: it covers a forward structure not yet verified, then runs attempts, each
-ONE norm pass without state of its own (`_attempt`) that returns either the pass or a finding about the layout
-(shared outputs, a time-major layer, a layer not batch-first) to learn from and try again. What was learnt comes
-back as a new `Knowledge`, which the caller commits only if the whole backward succeeds. The loss graph is indexed
-once (`LossGraph`) and shared by every stage.
+`measure` is the one place that retries: it covers a forward structure not yet verified, then verifies it in
+attempts, each a pair of passes without state of their own (`_verifying_pass`) that returns either the verified
+layout or a finding about it (shared outputs, a time-major layer, a layer not batch-first) to learn from and try
+again. The self-check's passes follow, then ONE norm pass (`_norm_pass`) as on a step that checks nothing, unless
+the verifying pass was the norm pass. What was learnt comes back as a new `Knowledge`, which the caller commits
+only if the whole backward succeeds. The loss graph is indexed once (`LossGraph`) and shared by every stage.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from flashdp._pipeline.loss_graph import LossGraph
 from flashdp._pipeline.norm_pass import stream_output_gradients
 from flashdp._pipeline.plan import GradientPlan
 from flashdp._pipeline.profiling import PhaseTimer
+from flashdp._pipeline.recomputation import releasing_packed_inputs
 from flashdp._pipeline.recorder import Call, Recorder
 from flashdp._pipeline.settings import EngineSettings
 from flashdp._pipeline.shared_outputs import capturing_per_sample_gradients
@@ -75,16 +77,23 @@ class Measurement:
 
 @dataclass
 class _Pass:
-    """A norm pass that went through: what it learnt (the outputs it found shared across the batch), its
-    collector, whether it decided the layout for later steps, each trainable parameter as the forward used it (for
-    the self-check), the dtypes it saw and the routing above its calls (what a layout it decided rests on)."""
+    """A norm pass that went through: what is known after it (the outputs it found shared across the batch), its
+    collector, and the dtypes it saw."""
 
     known: Knowledge
     collector: NormCollector
-    decided: bool
-    held: dict[object, Tensor]
     dtypes: list[torch.dtype]
+
+
+@dataclass(frozen=True)
+class _Verified:
+    """A verifying pass found every call's rows per-sample: whether it decided the layout for later steps (every
+    sample seen), the routing above its calls (what that layout rests on), and the norm pass it was, if it was one."""
+
+    known: Knowledge
+    decided: bool
     routed: routing.Routing
+    done: _Pass | None
 
 
 @dataclass(frozen=True)
@@ -110,9 +119,11 @@ def measure(
     `learning.uncovered`), verification on a forward structure not yet verified or newly covered, the self-check
     when due, and every rank's agreement on them. With `users`, the norms are those of each user's rows together.
 
-    A structure (with users, their partition of the rows too) is trusted only under the routing it was verified
-    under (`routing.py`): a step whose rows move otherwise between a rule site's output and the loss is verified
-    again, or refused where no verifying pass can run."""
+    The checks' passes hold the graph and nothing a norm pass keeps for the sums: bk's norm pass, which keeps
+    them and frees the graph as it goes, runs after the checks as on any step (a norm pass that keeps the graph
+    anyway, ghost's, is the verifying pass). A structure (with users, their partition of the rows too) is trusted
+    only under the routing it was verified under (`routing.py`): a step whose rows move otherwise between a rule
+    site's output and the loss is verified again, or refused where no verifying pass can run."""
     batch, graph, shapes = loss.shape[0], LossGraph(loss, users), shapes_of(calls)
     checking = known.self_check.due(index)
     if checking:
@@ -127,34 +138,38 @@ def measure(
             routed = routing.of(graph, known.plan, calls, known.shared_sites)
     verify = (checking or new_structure) and parts.adapter.allows_second_pass
     verify &= batch > 1 or parts.adapter.world_size > 1  # (FSDP collectives: every rank runs the passes)
-    unclear, moved = [], []
-    if new_structure and not parts.adapter.allows_second_pass:
-        unclear = _unverifiable(known, graph, calls, shapes)
-        moved = routed.deciding
-    flags = parts.on_any_rank([verify, checking, bool(unclear), bool(moved)], loss.device)
+    unverifiable = _unverifiable(
+        known, graph, calls, shapes, routed, new_structure and not parts.adapter.allows_second_pass
+    )
+    verify, checking = _agreed(parts, graph, verify, checking, unverifiable)
+    verified = _Verified(known, True, routed, None)
+    if verify:
+        verified, checking = _verify(parts, known, graph, calls, checking, routed, keeps)
+    known = verified.known
+    unit_gradients = _unit_gradients(parts, known, graph, calls, keeps) if checking else None
+    done = verified.done or _norm_pass(parts, known, graph, calls, keeps)
+    calls.clear()
+    known = done.known
+    measurement = _finish(parts, known, graph, done, keeps, unit_gradients)
+    # a batch of one decides no layout: every dim fits it, its rows are all its own
+    if batch > 1 and verified.decided and (verify or new_structure):
+        known = _verified(known, shapes, users, batch, verified.routed)
+    return measurement, known
+
+
+def _agreed(
+    parts: Parts, graph: LossGraph, verify: bool, checking: bool, unverifiable: tuple[list[Ambiguous], list]
+) -> tuple[bool, bool]:
+    """Whether to verify and to self-check, as any rank decides (one agreement); refused on every rank where
+    any rank has a structure it cannot verify (`_unverifiable`)."""
+    unclear, moved = unverifiable
+    flags = parts.on_any_rank([verify, checking, bool(unclear), bool(moved)], graph.loss.device)
     verify, checking, refuse, refuse_moved = map(bool, flags)
     if refuse:
         raise ambiguous_error(unclear)
     if refuse_moved:
         raise routing.unverifiable_error(moved)
-    recorded = list(calls) if verify else []  # (scopes too: a layer found not batch-first is covered again)
-    for _ in range(3 * len(recorded) + 2):  # each finding teaches something new about one of the calls
-        outcome = _attempt(parts, known, graph, list(recorded) if verify else calls, verify, checking, keeps, routed)
-        known = outcome.known
-        if isinstance(outcome, _Pass):
-            break
-        if outcome.cover_again:
-            known, checking = _cover(parts, known, graph, list(recorded), checking)
-            checking = bool(parts.on_any_rank([checking], loss.device)[0])
-    else:
-        raise FlashDPError("flashdp could not settle the layout of this forward's layers; nothing was added to .grad.")
-    calls.clear()
-    del recorded
-    measurement = _finish(parts, known, graph, outcome, keeps, checking)
-    # a batch of one decides no layout: every dim fits it, its rows are all its own
-    if batch > 1 and outcome.decided and (verify or new_structure):
-        known = _verified(known, shapes, users, batch, outcome.routed)
-    return measurement, known
+    return verify, checking
 
 
 def _verified(
@@ -171,11 +186,17 @@ def _structure(plan: GradientPlan, shapes: list, users: UserGroups | None, batch
     return layout if users is None or not users.partition else (*layout, ("users", users.partition))
 
 
-def _unverifiable(known: Knowledge, graph: LossGraph, calls: list[Call], shapes: list) -> list[Ambiguous]:
-    """Under a wrapper that cannot run a verifying pass (FSDP1), the outputs whose batch dim sizes alone cannot
-    tell: B in two dims, or a size that fits the batch on an output broadcast over it."""
+def _unverifiable(
+    known: Knowledge, graph: LossGraph, calls: list[Call], shapes: list, routed: routing.Routing, unverified: bool
+) -> tuple[list[Ambiguous], list]:
+    """For a new structure under a wrapper that cannot run a verifying pass (FSDP1, `unverified`): the outputs
+    whose batch dim sizes alone cannot tell (B in two dims, or a size that fits the batch on an output broadcast
+    over it), and the rule sites whose rows move otherwise than where the structure was verified."""
+    if not unverified:
+        return [], []
     batch = graph.loss.shape[0]
-    return ambiguous(known.plan, shapes, batch) + learning.broadcast_though_fitting(known, graph, calls)
+    unclear = ambiguous(known.plan, shapes, batch) + learning.broadcast_though_fitting(known, graph, calls)
+    return unclear, routed.deciding
 
 
 def _cover(
@@ -189,69 +210,67 @@ def _cover(
     return known, (parts.adapter.allows_second_pass if changed else checking)
 
 
-def _attempt(
+def _verify(
     parts: Parts,
     known: Knowledge,
     graph: LossGraph,
     calls: list[Call],
-    verify: bool,
     checking: bool,
+    routed: routing.Routing,
     keeps: Keeps,
-    routed: routing.Routing = routing.NONE,
-) -> _Pass | _Finding:
-    """One norm pass over `calls` (handed over): each call's output gradients go to a collector as autograd
-    computes them. With `verify`, each is also sketched, and a weighted pass compared with the sketches verifies
-    batch independence (see `_verdict`), under the routing above these calls (read here, before the pass frees
-    the graph's saved tensors: the plan may have changed since `routed`, the routing when the measurement began)."""
-    loss, batch = graph.loss, graph.loss.shape[0]
+) -> tuple[_Verified, bool]:
+    """Verify the layout of `calls`' layers, learning from each failure that explains itself (a layer found not
+    batch-first is covered again, which may make the self-check due): the verified pass, and whether the
+    self-check is due."""
+    for _ in range(3 * len(calls) + 2):  # each finding teaches something new about one of the calls
+        outcome = _verifying_pass(parts, known, graph, calls, routed, keeps)
+        known = outcome.known
+        if isinstance(outcome, _Verified):
+            return outcome, checking
+        if outcome.cover_again:
+            known, checking = _cover(parts, known, graph, calls, checking)
+            checking = bool(parts.on_any_rank([checking], graph.loss.device)[0])
+    raise FlashDPError("flashdp could not settle the layout of this forward's layers; nothing was added to .grad.")
+
+
+def _verifying_pass(
+    parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], routed: routing.Routing, keeps: Keeps
+) -> _Verified | _Finding:
+    """One pass over the graph that sketches each call's output gradients, and the weighted pass compared with the
+    sketches (see `_verdict`), under the routing above these calls. Where the norm pass keeps the graph anyway
+    and nothing for sums (ghost, flash, norms only), the sketching pass is that norm pass (`_Verified.done`), a
+    rule's error deferred until the layout explains it or not; else (bk, whose norm pass frees the graph as it
+    goes) it computes no norm, and the norm pass runs once the layout is verified."""
+    batch = graph.loss.shape[0]
     rule_calls, aliased = _rule_calls(known.plan, calls)
-    if aliased is not None and not verify:
-        raise aliased
-    calls.clear()  # from here the collector holds each call, and releases it once its gradients are in
-    held = _graph_tensors(known.plan, rule_calls) if checking else {}
-    dtypes = [loss.dtype, *(m.dtype for c in rule_calls for m in c.output_meta)]
     shared, known = learning.shared(known, graph, rule_calls)
-    if verify and batch > 1:
+    if batch > 1:
         routed = routing.of(graph, known.plan, rule_calls, known.shared_sites)
-    collector = NormCollector(
-        known.plan,
-        rule_calls,
-        batch,
-        strategy=parts.settings.norm_strategy,
-        keep_for_sum=keeps.plans,
-        backend=parts.settings.backend,
-        recorder=parts.recorder,
-        shared=shared,
-        defer_checks=not verify,  # (a verifying pass may be redone: what it finds is read there)
-        users=graph.users,
-        **keeps.for_overflow,
-    )
     dims = [dims_of(known.plan, c) for c in rule_calls]
-    verifying = Verifying(rule_calls, dims, set(shared), batch) if verify else None
-    if verifying is not None and aliased is not None:  # (raised once the layout is verified: learning it may move
-        verifying.errors.append(aliased)  # the parameter to an enclosing generic rule, which counts it once)
-    sharing = capturing_per_sample_gradients(list(shared.values()), batch)
-    with parts.timer.phase("norm pass"), parts.adapter.norm_pass(), sharing:
-        # (without verifying, only the collector holds each call: the pass empties its list)
-        passed = list(rule_calls) if verify else rule_calls
-        retain = keeps.graph or checking or verify
-        stream_output_gradients(
-            graph, passed, receiver(collector, verifying), {i for i, _ in shared}, retain, prepare=collector.unpack
-        )
-    if verifying is None:
-        return _Pass(known, collector, True, held, dtypes, routed)
-    found, known = _verdict(parts, known, graph, verifying)
+    verifying = Verifying(rule_calls, dims, set(shared), batch)
+    if aliased is not None:  # (raised once the layout is verified: learning it may move the parameter to an
+        verifying.errors.append(aliased)  # enclosing generic rule, which counts it once)
+    done = None
+    if keeps.graph and not keeps.plans:
+        with releasing_packed_inputs([c for c in calls if not known.plan.site(c.module).match]):  # (scopes)
+            done = _collect(parts, known, graph, list(rule_calls), shared, keeps, verifying)
+    else:
+        with parts.timer.phase("checks"), parts.adapter.norm_pass(), releasing_packed_inputs(calls):
+            stream_output_gradients(graph, list(rule_calls), verifying.keep, held=(), retain_graph=True)
+    found, known = _verdict(parts, known, graph, verifying, calls)
     if found is Found.VERIFIED:
-        return _Pass(known, collector, verifying.every_sample_seen(), held, dtypes, routed)
+        return _Verified(known, verifying.every_sample_seen(), routed, done)
     return _Finding(known, cover_again=found is Found.NOT_BATCH_FIRST)
 
 
-def _verdict(parts: Parts, known: Knowledge, graph: LossGraph, verifying: Verifying) -> tuple[Found, Knowledge]:
+def _verdict(
+    parts: Parts, known: Knowledge, graph: LossGraph, verifying: Verifying, recorded: list[Call]
+) -> tuple[Found, Knowledge]:
     """What the verifying pass found, agreed by every rank (the highest any of them found), with what explains a
     failure; raises where nothing does."""
     loss, calls = graph.loss, verifying.calls
     rtol = self_check.tolerance([loss.dtype, *(m.dtype for c in calls for m in c.output_meta)], computed_in_tf32(loss))
-    with torch.no_grad(), parts.adapter.norm_pass():
+    with torch.no_grad(), parts.adapter.norm_pass(), parts.timer.phase("checks"), releasing_packed_inputs(recorded):
         failing = self_check.batch_independence_failures(
             loss, calls, verifying.sketches, verifying.dims, rtol, parts.check_generator, graph.users
         )
@@ -264,9 +283,80 @@ def _verdict(parts: Parts, known: Knowledge, graph: LossGraph, verifying: Verify
     return agreed, learnt
 
 
-def _finish(parts: Parts, known: Knowledge, graph: LossGraph, done: _Pass, keeps: Keeps, checking: bool) -> Measurement:
+def _unit_gradients(
+    parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], keeps: Keeps
+) -> list[self_check.UnitGradient]:
+    """The self-check's first part, on the graph before the norm pass: a few samples' (or users') true gradients
+    by autograd, reduced to what `_finish` compares with the counts (`self_check.unit_gradients`)."""
+    count = self_check.SAMPLES_PER_CHECK
+    picks = torch.randperm(max(graph.units, 1), generator=parts.check_generator, device="cpu")[:count].tolist()
+    units = [_unit(graph.users, picks[k % len(picks)]) for k in range(count)]  # as many passes on every rank
+    rule_calls, _ = _rule_calls(known.plan, calls)
+    held = _graph_tensors(known.plan, rule_calls)
+    with parts.adapter.norm_pass(), parts.timer.phase("checks"), releasing_packed_inputs(calls):
+        return self_check.unit_gradients(graph.loss, held, units, projected=keeps.plans)
+
+
+def _norm_pass(parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], keeps: Keeps) -> _Pass:
+    """One norm pass over `calls` (handed over: from here the collector holds each call, and releases it once its
+    gradients are in); the graph is kept only where `keeps` says."""
+    rule_calls, aliased = _rule_calls(known.plan, calls)
+    if aliased is not None:
+        raise aliased
+    calls.clear()
+    shared, known = learning.shared(known, graph, rule_calls)
+    return _collect(parts, known, graph, rule_calls, shared, keeps)
+
+
+def _collect(
+    parts: Parts,
+    known: Knowledge,
+    graph: LossGraph,
+    rule_calls: list[Call],
+    shared: dict,
+    keeps: Keeps,
+    verifying: Verifying | None = None,
+) -> _Pass:
+    """The norm pass over `rule_calls` (handed over): each call's output gradients go to a collector as autograd
+    computes them (and, `verifying`, to its sketches, the graph kept)."""
+    loss, batch = graph.loss, graph.loss.shape[0]
+    dtypes = [loss.dtype, *(m.dtype for c in rule_calls for m in c.output_meta)]
+    collector = NormCollector(
+        known.plan,
+        rule_calls,
+        batch,
+        strategy=parts.settings.norm_strategy,
+        keep_for_sum=keeps.plans,
+        backend=parts.settings.backend,
+        recorder=parts.recorder,
+        shared=shared,
+        defer_checks=True,
+        users=graph.users,
+        **keeps.for_overflow,
+    )
+    sharing = capturing_per_sample_gradients(list(shared.values()), batch)
+    with parts.timer.phase("norm pass"), parts.adapter.norm_pass(), sharing:
+        stream_output_gradients(
+            graph,
+            rule_calls,
+            receiver(collector, verifying),
+            {i for i, _ in shared},
+            keeps.graph or verifying is not None,
+            prepare=collector.unpack,
+        )
+    return _Pass(known, collector, dtypes)
+
+
+def _finish(
+    parts: Parts,
+    known: Knowledge,
+    graph: LossGraph,
+    done: _Pass,
+    keeps: Keeps,
+    unit_gradients: list[self_check.UnitGradient] | None,
+) -> Measurement:
     """The norms of the pass: the clipping groups' (a float32 overflow recomputed in float64, summed over the
-    tensor-parallel group), the non-finite policy applied, and the per-sample self-check when due."""
+    tensor-parallel group), the non-finite policy applied, and the per-sample self-check's comparison when due."""
     loss, units, groups = graph.loss, graph.units, len(known.plan.clip_group_names)
     with torch.no_grad(), kernels_backend(parts.settings.backend), parts.timer.phase("norm computation"):
         norms = done.collector.finish()
@@ -286,9 +376,10 @@ def _finish(parts: Parts, known: Knowledge, graph: LossGraph, done: _Pass, keeps
                 dist.all_reduce(clip_norms_sq, op=dist.ReduceOp.SUM, group=parts.norm_group)
         policy, group = parts.settings.nonfinite, parts.adapter.dp_group
         skipped = nonfinite.nonfinite_samples(policy, clip_norms_sq, norms, group, finite, graph.users)
-        if checking:
+        if unit_gradients is not None:
             rtol = self_check.tolerance(done.dtypes, computed_in_tf32(loss))
-            _check_per_sample(parts, graph, norms, done.held, rtol, keeps.graph)
+            counted = [self_check.Counted(p.name, p.key, n.norm_sq, n.plan) for p, n in norms]
+            self_check.check_per_sample(unit_gradients, counted, rtol)
     return Measurement(norms, clip_norms_sq, skipped)
 
 
@@ -300,7 +391,7 @@ def _float64_norms(
     gradients = collector.gradients
     if any(n.plan is None and p.key not in gradients for p, n in norms if not nonfinite.all_finite(n.norm_sq)):
         again = Keeps(graph=keeps.graph, plans=False, for_overflow={"keep_gradients": True})
-        redo = _attempt(parts, known, graph, list(collector.calls), verify=False, checking=False, keeps=again)
+        redo = _norm_pass(parts, known, graph, list(collector.calls), keeps=again)
         redo.collector.finish()
         raise_failed(redo.collector.deferred)
         gradients = redo.collector.gradients
@@ -333,18 +424,6 @@ def _graph_tensors(plan: GradientPlan, calls: list[Call]) -> dict[object, Tensor
             if param is not None and tensor.requires_grad:  # not a copy kept for the generic rule
                 held[param.key] = tensor
     return held
-
-
-def _check_per_sample(
-    parts: Parts, graph: LossGraph, norms: Norms, held: dict, rtol: float, retain_graph: bool
-) -> None:
-    """The self-check's second part: a few samples' (or users') true gradients, by autograd, against the counts."""
-    count = self_check.SAMPLES_PER_CHECK
-    picks = torch.randperm(max(graph.units, 1), generator=parts.check_generator, device="cpu")[:count].tolist()
-    units = [_unit(graph.users, picks[k % len(picks)]) for k in range(count)]  # as many passes on every rank
-    counted = [self_check.Counted(p.name, held[p.key], n.norm_sq, n.plan) for p, n in norms]
-    with parts.adapter.norm_pass():
-        self_check.check_per_sample(graph.loss, counted, units, rtol, retain_graph)
 
 
 def _unit(users: UserGroups | None, index: int) -> self_check.Unit:

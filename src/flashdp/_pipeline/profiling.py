@@ -11,7 +11,16 @@ from typing import TextIO
 
 import torch
 
-PHASES = ("forward", "norm pass", "norm computation", "communication", "second pass / bk sums", "noise", "optimizer")
+PHASES = (
+    "forward",
+    "checks",
+    "norm pass",
+    "norm computation",
+    "communication",
+    "second pass / bk sums",
+    "noise",
+    "optimizer",
+)
 
 
 def profiling_requested(flag: bool | None) -> bool:

@@ -1,7 +1,8 @@
 """The self-check: on the first backward and then at a set interval, what flashdp counted is compared with
 autograd's own per-sample gradients, taken on the very graph being clipped. It catches what no rule can see:
 
-1. batch independence (one extra pass over the graph): weighting the losses by random powers of two `r_i` must
+1. batch independence (a pass that sketches each sample's rows of every recorded output's gradient, then a
+   weighted pass over the graph): weighting the losses by random powers of two `r_i` must
    scale row i of every recorded output's gradient by exactly `r_i` (compared through random projections of each
    sample's rows, `RowSketch`: the unweighted gradients are not held). That holds only if row i of each layer's
    output belongs to sample i alone and `loss[i]` depends on sample i only. It fails for a layer whose dim 0 is
@@ -10,13 +11,16 @@ autograd's own per-sample gradients, taken on the very graph being clipped. It c
    weights are per user (`r_u` for every row of user u): rows may mix within their user (a preference pair's loss
    in one of its two rows), never across users, which is what a user's clipped gradient needs.
 2. per-sample gradients (one extra backward per checked sample): autograd's gradient of `loss[i]` for every
-   trainable parameter against the norm flashdp counted for it and, in bk, against the gradient it will add.
+   trainable parameter against the norm flashdp counted for it and, in bk, against the gradient it will add. Each
+   gradient is reduced to its norm and random projections as autograd computes it (`unit_gradients`), before bk's
+   norm pass: the check holds neither a whole per-sample gradient nor bk's kept factors next to the graph, so a
+   checked step needs about the memory of an unchecked one.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,8 +45,8 @@ class Counted:
     """What flashdp counted for one trainable parameter in this backward."""
 
     name: str
-    #: the tensor autograd differentiates: the parameter as the forward used it
-    tensor: Tensor
+    #: the parameter's key in `unit_gradients`
+    key: object
     #: `[B]`
     norm_sq: Tensor
     #: the clipped-sum plan (bk), from which sample i's gradient is `plan.clipped_sum(e_i)`; None in ghost / flash
@@ -228,27 +232,123 @@ class Unit(NamedTuple):
     label: str
 
 
-def check_per_sample(
-    loss: Tensor, counted: Sequence[Counted], units: Sequence[Unit], rtol: float, retain_graph: bool
+@dataclass(frozen=True)
+class UnitGradient:
+    """Autograd's gradient of one unit's losses, kept per checked tensor as its norm and, where the counted
+    gradient will be a clipped-sum plan, its random projections (`project`): never the gradient itself."""
+
+    unit: Unit
+    #: per checked tensor's key: the norm of its gradient (0 where the loss does not reach it)
+    norms: dict[object, float]
+    #: per checked tensor's key: `project(gradient, seed)` with the seed it was drawn from
+    projections: dict[object, tuple[int, Tensor]]
+
+
+def unit_gradients(
+    loss: Tensor, tensors: dict[object, Tensor], units: Sequence[Unit], projected: bool
+) -> list[UnitGradient]:
+    """Autograd's gradient of each unit's summed losses for every tensor of `tensors` (the trainable parameters as
+    the forward used them), one backward per unit over the kept graph; each gradient is reduced to its norm (and
+    with `projected`, its projections) as autograd computes it, so no unit's whole gradient is held at once. An
+    empty rank runs the passes (FSDP collectives) and returns nothing."""
+    out = []
+    for unit in units:
+        with torch.enable_grad():
+            target = loss[unit.rows].sum() if loss.shape[0] else loss.sum()
+        reduced = _Reduced(tensors, projected)
+        streamed_gradients(target, tensors, reduced)
+        if loss.shape[0]:
+            out.append(UnitGradient(unit, reduced.norms(), reduced.projections))
+    return out
+
+
+class _Reduced:
+    """`reduce(key, gradient, seed)` for `streamed_gradients`: keeps each gradient's norm (on the device until
+    `norms()`: one sync per unit) and projections."""
+
+    def __init__(self, tensors: dict[object, Tensor], projected: bool) -> None:
+        self.tensors, self.projected = tensors, projected
+        self._norms: dict[object, Tensor] = {}
+        self.projections: dict[object, tuple[int, Tensor]] = {}
+
+    def __call__(self, key: object, gradient: Tensor | None, seed: int) -> None:
+        if gradient is not None:
+            self._norms[key] = gradient.double().norm()
+        if self.projected:  # (zeros where the loss does not reach the tensor: its counted gradient must be 0 too)
+            zeros = torch.zeros(GRADIENT_PROJECTIONS, dtype=torch.float64, device=self.tensors[key].device)
+            self.projections[key] = (seed, zeros if gradient is None else project(gradient, seed))
+
+    def norms(self) -> dict[object, float]:
+        values = torch.stack(list(self._norms.values())).tolist() if self._norms else []
+        return dict.fromkeys(self.tensors, 0.0) | dict(zip(self._norms, values, strict=True))
+
+
+def streamed_gradients(
+    target: Tensor, tensors: dict[object, Tensor], reduce: Callable[[object, Tensor | None, int], None]
 ) -> None:
+    """`reduce(key, gradient, seed)` for the gradient of `target` at each of `tensors` (None where it does not
+    reach it; `seed` the tensor's place), the graph kept. A leaf's gradient is reduced as autograd computes it and
+    then not kept (its hook hands autograd a zero-strided stand-in to return); another tensor's (a parameter
+    computed in the forward, whose hook's value would flow on to its inputs) once the pass ends."""
+    keys, values = list(tensors), list(tensors.values())
+    hooks = [(t, _Reducing(reduce, key, seed)) for seed, (key, t) in enumerate(tensors.items()) if t.is_leaf]
+    handles = [t.register_hook(hook) for t, hook in hooks]
+    try:
+        grads = torch.autograd.grad(target, values, retain_graph=True, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for seed, (key, tensor, grad) in enumerate(zip(keys, values, grads, strict=True)):
+        if grad is None or not tensor.is_leaf:  # (a leaf's hook did not run: its gradient is None)
+            reduce(key, grad, seed)
+
+
+class _Reducing:
+    """A leaf tensor's hook: reduces its gradient and returns a zero-strided zero of its shape in its place."""
+
+    def __init__(self, reduce: Callable[[object, Tensor | None, int], None], key: object, seed: int) -> None:
+        self.reduce, self.key, self.seed = reduce, key, seed
+
+    def __call__(self, gradient: Tensor) -> Tensor:
+        self.reduce(self.key, gradient, self.seed)
+        return torch.zeros((), dtype=gradient.dtype, device=gradient.device).expand(gradient.shape)
+
+
+#: random projections kept of each checked gradient that bk's clipped-sum plan is compared with
+GRADIENT_PROJECTIONS = 8
+
+
+def project(gradient: Tensor, seed: int) -> Tensor:
+    """`[R]` float64: bilinear projections `u_k^T M v_k` of the gradient as an `[m, l]` matrix `M` (its dims split
+    where `m + l` is smallest), with Gaussian `u_k`, `v_k` drawn from `seed` (the same for any tensor of its shape
+    on its device, whatever its dtype). E[(u^T D v)^2] = ||D||^2 for independent Gaussian u, v: the mean square of
+    two gradients' projections' difference estimates the squared norm of their difference, for R (m + l) draws
+    and R numbers held. Computed in the gradient's precision, float32 at least."""
+    sizes = list(gradient.shape)
+    splits = [(math.prod(sizes[:s]), math.prod(sizes[s:])) for s in range(len(sizes) + 1)]
+    matrix = gradient.reshape(min(splits, key=sum))
+    dtype = torch.promote_types(gradient.dtype, torch.float32)
+    generator = torch.Generator(device=gradient.device).manual_seed(seed)
+    left, right = (  # (drawn in float32 whatever the precision: the same directions for both sides compared)
+        torch.randn(n, GRADIENT_PROJECTIONS, generator=generator, device=gradient.device).to(dtype)
+        for n in matrix.shape
+    )
+    return ((matrix.to(dtype) @ right) * left).sum(0).double()
+
+
+def check_per_sample(gradients: Sequence[UnitGradient], counted: Sequence[Counted], rtol: float) -> None:
     """Raise if, for a checked unit, a parameter's counted gradient differs from autograd's gradient of the sum
-    of the unit's losses. The tolerance's floor is relative to the unit's gradient; for a user, whose rows may
-    cancel to a gradient of about 0 that both sides round differently, at least to the batch's largest counted one."""
-    tensors = [c.tensor for c in counted]
-    largest = _largest_counted_norm(counted) if any(len(unit.rows) > 1 for unit in units) else 0.0
-    for k, (i, rows, label) in enumerate(units):
-        with torch.enable_grad():  # an empty rank still runs the pass (FSDP collectives)
-            target = loss[rows].sum() if loss.shape[0] else loss.sum()
-        keep = retain_graph or k < len(units) - 1
-        true = torch.autograd.grad(target, tensors, retain_graph=keep, allow_unused=True)
-        if not loss.shape[0]:
-            continue
-        true = [torch.zeros_like(c.tensor) if g is None else g for c, g in zip(counted, true, strict=True)]
-        total = math.sqrt(sum(float(g.double().square().sum()) for g in true))
+    of the unit's losses (`unit_gradients`). The tolerance's floor is relative to the unit's gradient; for a user,
+    whose rows may cancel to a gradient of about 0 that both sides round differently, at least to the batch's
+    largest counted one."""
+    largest = _largest_counted_norm(counted) if any(len(g.unit.rows) > 1 for g in gradients) else 0.0
+    for true in gradients:
+        (i, rows, label) = true.unit
+        total = math.sqrt(sum(true.norms[c.key] ** 2 for c in counted))
         if not math.isfinite(total):  # a non-finite gradient: the nonfinite policy's, not a disagreement
             continue
         scale = total if len(rows) == 1 else max(total, largest)
-        problems = [p for c, g in zip(counted, true, strict=True) if (p := _disagreement(c, g, i, rtol, scale))]
+        problems = [p for c in counted if (p := _disagreement(c, true, i, rtol, scale))]
         if problems:
             raise FlashDPError(
                 f"Self-check failed for {label}: what flashdp counted differs from autograd's per-sample "
@@ -265,17 +365,18 @@ def _largest_counted_norm(counted: Sequence[Counted]) -> float:
     return math.sqrt(max(float(totals.max()), 0.0)) if totals.numel() else 0.0
 
 
-def _disagreement(counted: Counted, true: Tensor, i: int, rtol: float, scale: float) -> str | None:
-    true_norm = float(true.double().norm())
+def _disagreement(counted: Counted, true: UnitGradient, i: int, rtol: float, scale: float) -> str | None:
+    true_norm = true.norms[counted.key]
     norm = math.sqrt(max(float(counted.norm_sq[i]), 0.0))
     floor = rtol * scale
     if abs(norm - true_norm) > rtol * (norm + true_norm) + floor:
         return f"'{counted.name}': counted norm {norm:.4g}, autograd's {true_norm:.4g}"
-    if counted.plan is not None:
+    if counted.plan is not None and counted.key in true.projections:
         one_hot = torch.zeros_like(counted.norm_sq)
         one_hot[i] = 1
-        gradient = counted.plan.clipped_sum(one_hot).double()
-        error = float((gradient - true.double().reshape(gradient.shape)).norm())
-        if error > rtol * (float(gradient.norm()) + true_norm) + floor:
+        gradient = counted.plan.clipped_sum(one_hot)
+        seed, expected = true.projections[counted.key]
+        error = float((project(gradient, seed) - expected).square().mean().sqrt())  # ~ ||gradient - true||
+        if error > rtol * (float(gradient.double().norm()) + true_norm) + floor:
             return f"'{counted.name}': the gradient it would add is {error:.4g} away from autograd's ({true_norm:.4g})"
     return None

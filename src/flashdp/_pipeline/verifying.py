@@ -1,6 +1,6 @@
-"""A verifying norm pass: every call's output gradients sketched as they are handed over, for the weighted pass
-that checks each layer's rows are per-sample (`self_check.batch_independence_failures`); a rule's error deferred
-until the layout is known."""
+"""A verifying pass: every call's output gradients sketched as they are handed over, for the weighted pass that
+checks each layer's rows are per-sample (`self_check.batch_independence_failures`); an error about the calls (a
+rule's, where the verifying pass is a norm pass) deferred until the layout is known."""
 
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ from flashdp._pipeline.recorder import Call
 
 @dataclass
 class Verifying:
-    """What a verifying norm pass keeps until the pass ends: sketches of every call's output gradients (the
-    weighted pass is compared with them), and the errors its rules raised. A rule may fail because a layer's rows
-    are not samples (a time-major layer with T == B passes the size checks), so its error is raised only once the
-    layout is verified."""
+    """What a verifying pass keeps until the weighted pass: sketches of every call's output gradients (the
+    weighted pass is compared with them), and errors found about the calls meanwhile (its rules' too, where it is
+    a norm pass), raised only once the layout is verified (learning it may change what they are about)."""
 
     calls: list[Call]
     #: each call's batch dim per output
@@ -46,7 +45,8 @@ class Verifying:
 
 def receiver(collector: NormCollector, verifying: Verifying | None):
     """`receive(index, grads)` for the norm pass: hands one call's output gradients to the collector; while
-    verifying, also sketches them and defers the rule's errors."""
+    verifying, also sketches them and defers the rule's errors (a rule may fail because a layer's rows are not
+    samples: a time-major layer with T == B passes the size checks)."""
     if verifying is None:
         return collector.receive
 

@@ -59,6 +59,38 @@ class CheckpointedGeneric(nn.Module):
         return checkpoint(lambda t: torch.sin(t * self.w), x, use_reentrant=False)
 
 
+class SharedWeight(nn.Module):
+    """Its Linear's weight also used outside the Linear: the whole module becomes a generic rule site on the first
+    backward, after the forward recorded the Linear under the plan before."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, z):
+        return torch.tanh(F.linear(z, self.lin.weight, self.lin.bias)) + self.lin(z)
+
+
+class CheckpointedSharedWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sub, self.head = SharedWeight(), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(checkpoint(self.sub, x, use_reentrant=False))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_checkpointed_module_that_becomes_a_generic_site_is_exact(mode):
+    """Ghost's second pass recomputes the region after the backward committed the new plan: it must save what the
+    forward saved (it saved one tensor fewer: CheckpointError)."""
+    model = CheckpointedSharedWeight().double()
+    x = torch.randn(4, 3, 4, dtype=torch.float64)
+    for _ in range(2):
+        check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 4, mode=mode)
+        model.zero_grad()
+
+
 def test_checkpointing_inside_a_generic_rules_module_is_refused_naming_checkpointing():
     model = nn.Sequential(CheckpointedGeneric(), nn.Linear(3, 2)).double()
     refused = pytest.raises(FlashDPError, match=r"its forward runs activation checkpointing \(torch.utils.checkpoint\)")

@@ -151,6 +151,9 @@ class Recorder:
 
     def __init__(self, plan: GradientPlan, on_call: Callable[[], None] = lambda: None, keep_params: bool = False):
         self._plan = plan
+        #: the plan the last forward handed over was recorded under: a checkpoint's recomputation of that forward in
+        #: its backward packs as that forward did, whatever plan the backward has committed since
+        self._taken_plan = plan
         self.calls: list[Call] = []
         #: what the model's hooks keep alive with the recorder (a training engine: it lives until detached)
         self.owner: object | None = None
@@ -182,13 +185,14 @@ class Recorder:
         rng = saved.pop() if saved else None
         if self._paused or not torch.is_grad_enabled():
             return
-        site = self._plan.sites.get(id(module))
+        recomputing = torch._C._current_graph_task_id() != -1  # a checkpoint recomputing its segment in the backward
+        site = (self._taken_plan if recomputing else self._plan).sites.get(id(module))
         if site is None:
             return
         leaves = _tensor_leaves(output)
         slots = _distinct_slots(leaves)
         hooks = _saved_tensor_hooks()
-        if torch._C._current_graph_task_id() != -1:  # a checkpoint recomputing its segment in the backward
+        if recomputing:
             if slots and hooks is not None:  # packed as in the forward: the recomputation matches saves by order
                 _packed((args, kwargs), hooks)
             return
@@ -241,6 +245,7 @@ class Recorder:
 
     def take(self) -> Forward:
         calls, self.calls = self.calls, []
+        self._taken_plan = self._plan
         return Forward(calls, self._plan)
 
     def remove(self) -> None:

@@ -90,11 +90,11 @@ class DPEngine:
         self._known = Knowledge(plan, self_check=SelfCheckSchedule(interval))
         self._commit(self._known)
         # the same on every rank: TP ranks must weight the losses alike, FSDP ranks run the same passes
-        generator = torch.Generator().manual_seed(0)
-        recorder = self._attachment.recorder
+        generator, attached = torch.Generator().manual_seed(0), self._attachment
         self._parts = Parts(
-            settings, self._adapter, self._timer, recorder, model.named_parameters, norm_group, generator, {}
-        )
+            settings, self._adapter, self._timer, attached.recorder, model.named_parameters, norm_group, generator,
+            attached.grad_writes, {},
+        )  # fmt: skip
         self._backward_calls = 0
         self._last_loss_node: int | None = None
         self._skipped_samples = 0

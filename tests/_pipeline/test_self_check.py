@@ -231,19 +231,26 @@ def test_row_sketches_pass_scaled_rows_exactly_and_catch_mixed_ones(shape, dim, 
     assert sketch.fails(mixed, torch.Size(shape), dim, weights, rtol=self_check.tolerance([dtype]))
 
 
-@pytest.mark.parametrize("wrong", ["negated", "rows swapped"])
+@pytest.mark.parametrize("wrong", ["negated", "rows swapped", "one entry off"])
 def test_a_wrong_clipped_sum_is_caught_in_bk(wrong):
-    """A bug in bk's clipped sum that leaves the norms right (the gradient negated, two of its rows swapped) is
-    caught through the projections of autograd's gradient, taken before the norm pass."""
+    """A bug in bk's clipped sum that leaves the norms right (the gradient negated, two of its rows swapped, one
+    entry of a 16 x 16 weight off by 1% of the gradient's norm: a few times the tolerance) is caught through the
+    projections of autograd's gradient, taken before the norm pass."""
     original = ClippedSumPlan.clipped_sum
 
     def clipped_sum(plan, coef):
         gradient = original(plan, coef)
         if wrong == "negated":
             return -gradient
-        return gradient[[1, 0, *range(2, len(gradient))]] if gradient.dim() == 2 else gradient
+        if gradient.dim() < 2:
+            return gradient
+        if wrong == "rows swapped":
+            return gradient[[1, 0, *range(2, len(gradient))]]
+        off = torch.zeros_like(gradient)
+        off.view(-1)[off.numel() // 3] = 0.01 * gradient.norm()
+        return gradient + off
 
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 16))
     with (
         mock.patch.object(ClippedSumPlan, "clipped_sum", clipped_sum),
         _engine(model, mode="bk") as engine,
@@ -292,3 +299,31 @@ def test_projections_estimate_the_norm_of_a_difference(shape):
     mean_square = torch.stack([self_check.project(d, seed).square().mean() for seed in range(2000)]).mean()
     torch.testing.assert_close(mean_square, d.square().sum(), rtol=0.15, atol=0)
     assert (self_check.project(a, 5) - self_check.project(a.float(), 5)).abs().max() < 1e-4 * (1 + a.norm())
+
+
+def test_no_entry_is_seen_only_through_small_projections():
+    """A wrong entry's error reaches the comparison scaled by its directions' RMS (sqrt(mean_k (u_ik v_jk)^2)): with
+    the projections kept, no entry of a 32 x 32 weight is scaled below 0.3 (an error a few times the tolerance is
+    seen), for several draws."""
+    basis = torch.eye(32 * 32).reshape(-1, 32, 32)
+    for seed in range(3):
+        scales = torch.stack([self_check.project(entry, seed).square().mean().sqrt() for entry in basis])
+        assert scales.min() > 0.3, (seed, scales.min())
+
+
+def test_each_self_check_draws_its_projections_anew():
+    """A bug confined to entries that one draw sees weakly is not missed on every check: the directions' seed is
+    drawn per check (the same on every rank: from the self-check's generator)."""
+    seeds = []
+    original = self_check.unit_gradients
+
+    def recording(*args, seed, **kwargs):
+        seeds.append(seed)
+        return original(*args, seed=seed, **kwargs)
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with mock.patch.object(self_check, "unit_gradients", recording), _engine(model, self_check=1) as engine:
+        for _ in range(3):
+            engine.backward(per_sample_loss(model(torch.randn(4, 5, 3))))
+            model.zero_grad()
+    assert len(seeds) == 3 and len(set(seeds)) == 3, seeds

@@ -43,6 +43,8 @@ class GradWrites:
         #: autograd's first foreign write
         self._restore: dict[int, _State] = {}
         self._foreign: list[int] = []
+        #: within `capturing`: autograd's passes return gradients and write no `.grad`
+        self._capturing = False
         self._handles: list[Any] = []
         for key, (_, p) in self._params.items():
             self._handles.append(p.register_hook(lambda grad, key=key: self._before_autograd(key)))
@@ -92,6 +94,18 @@ class GradWrites:
         if foreign:
             raise _foreign_write_error([self._params[key][0] for key in foreign])
 
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Within a refusing region: flashdp's own `autograd.grad` passes over the parameters (the self-check), in
+        which autograd writes no `.grad`, so none is copied to be put back. A foreign write meanwhile is still
+        refused, its gradient cleared where it was changed in place (a copy of every `.grad` would double their
+        memory on a self-checked step)."""
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -103,7 +117,7 @@ class GradWrites:
         grad = self._params[key][1].grad
         if not _same(_state(grad), self._seen[key]):  # written by something else since
             self._mark(key)
-        elif key not in self._allowed and key not in self._foreign:  # about to be: keep it as it is
+        elif key not in self._allowed and key not in self._foreign and not self._capturing:  # about to be: keep it
             self._restore[key] = _state(None if grad is None else grad.detach().clone())
 
     def _after_autograd(self, key: int) -> None:

@@ -51,6 +51,10 @@ class LossGraph:
         """Whether something above the loss's own node consumes the edge's node."""
         return edge.node in self.parents
 
+    def reads(self, edge: GradientEdge) -> bool:
+        """Whether the loss's gradient flows into the edge's node (the loss's own node included)."""
+        return edge.node is self.loss.grad_fn or edge.node in self.parents
+
     def frontiers(self, edge: GradientEdge, batch: int) -> list[shared_outputs.Frontier]:
         """Where the batch first appears above a shared output (`shared_outputs.frontiers`)."""
         return shared_outputs.frontiers(edge, self.parents, batch)

@@ -20,6 +20,7 @@ from torch import Tensor
 from flashdp._pipeline import aliasing, learning, nonfinite, routing, self_check
 from flashdp._pipeline.clipped_sums import Keeps, Norms
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
+from flashdp._pipeline.grad_writes import GradWrites
 from flashdp._pipeline.knowledge import Knowledge
 from flashdp._pipeline.layout import Ambiguous, ambiguous, ambiguous_error, dims_of, shapes_of, structure
 from flashdp._pipeline.learning import Found
@@ -55,6 +56,8 @@ class Parts:
     norm_group: dist.ProcessGroup | None
     #: the self-check's random choices, the same on every rank
     check_generator: torch.Generator
+    #: the watch on `.grad` writes during the backward (the self-check's passes write none)
+    grad_writes: GradWrites
     #: how each parameter's norm was computed in the last backward that reached its norms (`engine.strategies`,
     #: also after a backward refused later: what to look at when a layer is slow or fails)
     strategies: dict[str, str]
@@ -125,6 +128,10 @@ def measure(
     only under the routing it was verified under (`routing.py`): a step whose rows move otherwise between a rule
     site's output and the loss is verified again, or refused where no verifying pass can run."""
     batch, graph, shapes = loss.shape[0], LossGraph(loss, users), shapes_of(calls)
+    # (a call none of whose outputs the loss reads has no gradient; it would hold its inputs and its output's node
+    # through every pass: inside a checkpointed region, that region's recomputation for each pass. One whose output
+    # was modified in place is kept: the pass refuses it, its gradient hidden)
+    calls[:] = [c for c in calls if c.modified_in_place() or any(graph.reads(edge) for edge in c.edges)]
     checking = known.self_check.due(index)
     if checking:
         known = known.self_checked(index)
@@ -293,8 +300,14 @@ def _unit_gradients(
     units = [_unit(graph.users, picks[k % len(picks)]) for k in range(count)]  # as many passes on every rank
     rule_calls, _ = _rule_calls(known.plan, calls)
     held = _graph_tensors(known.plan, rule_calls)
-    with parts.adapter.norm_pass(), parts.timer.phase("checks"), releasing_packed_inputs(calls):
-        return self_check.unit_gradients(graph.loss, held, units, projected=keeps.plans)
+    seed = int(torch.randint(2**31, (), generator=parts.check_generator, device="cpu"))
+    with (
+        parts.adapter.norm_pass(),
+        parts.timer.phase("checks"),
+        releasing_packed_inputs(calls),
+        parts.grad_writes.capturing(),
+    ):
+        return self_check.unit_gradients(graph.loss, held, units, projected=keeps.plans, seed=seed)
 
 
 def _norm_pass(parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], keeps: Keeps) -> _Pass:

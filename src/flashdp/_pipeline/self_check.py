@@ -97,25 +97,20 @@ class RowSketch:
     projections: Tensor
     #: `[B]` float64: each sample's rows' norm
     norms: Tensor
-    #: `[m, K]`, `[l, K]`
-    left: Tensor
-    right: Tensor
+    #: what the directions `u_k`, `v_k` are drawn from, again for the weighted pass (not held meanwhile: `K (m + l)`
+    #: numbers per output, more than the rest of the sketch on a long sequence)
+    seed: int
 
     @staticmethod
     def of(grad: Tensor, shape: torch.Size, dim: int, batch: int, seed: int) -> RowSketch:
         rows = _sample_matrices(grad, shape, dim, batch)
-        generator = torch.Generator().manual_seed(seed)
-        left, right = (
-            torch.randn(n, PROJECTIONS, generator=generator, dtype=rows.dtype, device="cpu").to(rows.device)
-            for n in rows.shape[1:]
-        )
-        return RowSketch(_project(rows, left, right), _norms(rows), left, right)
+        return RowSketch(_project(rows, *_directions(rows, seed)), _norms(rows), seed)
 
     def fails(self, weighted: Tensor, shape: torch.Size, dim: int, weights: Tensor, rtol: float) -> bool:
         """Whether the weighted pass's gradient of this output is not `weights[i]` times sample i's rows."""
         rows = _sample_matrices(weighted, shape, dim, weights.shape[0])
         expected = self.projections * weights[:, None]
-        error = (_project(rows, self.left, self.right) - expected).square().mean(1).sqrt()
+        error = (_project(rows, *_directions(rows, self.seed)) - expected).square().mean(1).sqrt()
         scale = self.norms * weights + _norms(rows)
         floor = 1e-3 * self.norms.max() * weights  # (relative to the sample's own weight, not the largest)
         return bool((error > rtol * (scale + floor)).any())
@@ -190,6 +185,15 @@ def _sample_matrices(grad: Tensor, shape: torch.Size, dim: int, batch: int) -> T
     return rows.float() if rows.dtype in _HALF else rows
 
 
+def _directions(rows: Tensor, seed: int) -> tuple[Tensor, Tensor]:
+    """`[m, K]`, `[l, K]` Gaussian directions for sample matrices `rows` `[B, m, l]`, drawn from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(n, PROJECTIONS, generator=generator, dtype=rows.dtype, device="cpu").to(rows.device)
+        for n in rows.shape[1:]
+    )
+
+
 def _project(rows: Tensor, left: Tensor, right: Tensor) -> Tensor:
     """`[B, K]` float64: `left[:, k]^T X_i right[:, k]` for each sample's matrix `X_i` (`rows`: `[B, m, l]`)."""
     return ((rows @ right) * left).sum(1).double()
@@ -245,18 +249,19 @@ class UnitGradient:
 
 
 def unit_gradients(
-    loss: Tensor, tensors: dict[object, Tensor], units: Sequence[Unit], projected: bool
+    loss: Tensor, tensors: dict[object, Tensor], units: Sequence[Unit], projected: bool, seed: int
 ) -> list[UnitGradient]:
     """Autograd's gradient of each unit's summed losses for every tensor of `tensors` (the trainable parameters as
     the forward used them), one backward per unit over the kept graph; each gradient is reduced to its norm (and
-    with `projected`, its projections) as autograd computes it, so no unit's whole gradient is held at once. An
-    empty rank runs the passes (FSDP collectives) and returns nothing."""
+    with `projected`, its projections, the k-th tensor's drawn from `seed + k`: drawn anew on each check, so that
+    no entry is always seen through small directions) as autograd computes it, so no unit's whole gradient is held
+    at once. An empty rank runs the passes (FSDP collectives) and returns nothing."""
     out = []
     for unit in units:
         with torch.enable_grad():
             target = loss[unit.rows].sum() if loss.shape[0] else loss.sum()
         reduced = _Reduced(tensors, projected)
-        streamed_gradients(target, tensors, reduced)
+        streamed_gradients(target, tensors, reduced, seed)
         if loss.shape[0]:
             out.append(UnitGradient(unit, reduced.norms(), reduced.projections))
     return out
@@ -284,23 +289,23 @@ class _Reduced:
 
 
 def streamed_gradients(
-    target: Tensor, tensors: dict[object, Tensor], reduce: Callable[[object, Tensor | None, int], None]
+    target: Tensor, tensors: dict[object, Tensor], reduce: Callable[[object, Tensor | None, int], None], seed: int = 0
 ) -> None:
-    """`reduce(key, gradient, seed)` for the gradient of `target` at each of `tensors` (None where it does not
-    reach it; `seed` the tensor's place), the graph kept. A leaf's gradient is reduced as autograd computes it and
+    """`reduce(key, gradient, seed + k)` for the gradient of `target` at the k-th of `tensors` (None where it does
+    not reach it), the graph kept. A leaf's gradient is reduced as autograd computes it and
     then not kept (its hook hands autograd a zero-strided stand-in to return); another tensor's (a parameter
     computed in the forward, whose hook's value would flow on to its inputs) once the pass ends."""
     keys, values = list(tensors), list(tensors.values())
-    hooks = [(t, _Reducing(reduce, key, seed)) for seed, (key, t) in enumerate(tensors.items()) if t.is_leaf]
+    hooks = [(t, _Reducing(reduce, key, seed + k)) for k, (key, t) in enumerate(tensors.items()) if t.is_leaf]
     handles = [t.register_hook(hook) for t, hook in hooks]
     try:
         grads = torch.autograd.grad(target, values, retain_graph=True, allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
-    for seed, (key, tensor, grad) in enumerate(zip(keys, values, grads, strict=True)):
+    for k, (key, tensor, grad) in enumerate(zip(keys, values, grads, strict=True)):
         if grad is None or not tensor.is_leaf:  # (a leaf's hook did not run: its gradient is None)
-            reduce(key, grad, seed)
+            reduce(key, grad, seed + k)
 
 
 class _Reducing:
@@ -315,7 +320,7 @@ class _Reducing:
 
 
 #: random projections kept of each checked gradient that bk's clipped-sum plan is compared with
-GRADIENT_PROJECTIONS = 8
+GRADIENT_PROJECTIONS = 32
 
 
 def project(gradient: Tensor, seed: int) -> Tensor:

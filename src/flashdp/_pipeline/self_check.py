@@ -292,9 +292,9 @@ def streamed_gradients(
     target: Tensor, tensors: dict[object, Tensor], reduce: Callable[[object, Tensor | None, int], None], seed: int = 0
 ) -> None:
     """`reduce(key, gradient, seed + k)` for the gradient of `target` at the k-th of `tensors` (None where it does
-    not reach it), the graph kept. A leaf's gradient is reduced as autograd computes it and
-    then not kept (its hook hands autograd a zero-strided stand-in to return); another tensor's (a parameter
-    computed in the forward, whose hook's value would flow on to its inputs) once the pass ends."""
+    not reach it), the graph kept. A leaf's gradient is reduced as autograd computes it and then not kept (its hook
+    hands autograd a zero-strided stand-in to return); another tensor's (a parameter computed in the forward, whose
+    hook's value would flow on to its inputs) once the pass ends."""
     keys, values = list(tensors), list(tensors.values())
     hooks = [(t, _Reducing(reduce, key, seed + k)) for k, (key, t) in enumerate(tensors.items()) if t.is_leaf]
     handles = [t.register_hook(hook) for t, hook in hooks]

@@ -65,10 +65,10 @@ class SharedWeight(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.lin = nn.Linear(4, 4)
+        self.lin, self.out = nn.Linear(4, 4), nn.Linear(4, 4)
 
     def forward(self, z):
-        return torch.tanh(F.linear(z, self.lin.weight, self.lin.bias)) + self.lin(z)
+        return self.out(torch.tanh(F.linear(z, self.lin.weight, self.lin.bias)) + self.lin(z))
 
 
 class CheckpointedSharedWeight(nn.Module):
@@ -89,6 +89,20 @@ def test_a_checkpointed_module_that_becomes_a_generic_site_is_exact(mode):
     for _ in range(2):
         check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 4, mode=mode)
         model.zero_grad()
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_pass_of_the_users_own_through_the_region_after_the_plan_changed(mode):
+    """The forward after a backward that committed the new plan is recorded under it: a pass of the user's own
+    (adversarial inputs from the gradient at the input) recomputes the region as that forward saved it."""
+    model = CheckpointedSharedWeight().double()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    for _ in range(3):
+        x = torch.randn(4, 3, 4, dtype=torch.float64, requires_grad=True)
+        (at_input,) = torch.autograd.grad(per_sample_loss(model(x)).sum(), x)
+        engine.backward(per_sample_loss(model((x + 0.01 * at_input.sign()).detach())))
+        model.zero_grad()
+    engine.detach()
 
 
 def test_checkpointing_inside_a_generic_rules_module_is_refused_naming_checkpointing():

@@ -151,9 +151,9 @@ class Recorder:
 
     def __init__(self, plan: GradientPlan, on_call: Callable[[], None] = lambda: None, keep_params: bool = False):
         self._plan = plan
-        #: the plan the last forward handed over was recorded under: a checkpoint's recomputation of that forward in
-        #: its backward packs as that forward did, whatever plan the backward has committed since
-        self._taken_plan = plan
+        #: the plan the latest forward was recorded under: a checkpoint's recomputation of that forward (in its
+        #: backward, or in a pass of the user's own) packs as that forward did, whatever plan a backward committed since
+        self._forward_plan = plan
         self.calls: list[Call] = []
         #: what the model's hooks keep alive with the recorder (a training engine: it lives until detached)
         self.owner: object | None = None
@@ -186,7 +186,9 @@ class Recorder:
         if self._paused or not torch.is_grad_enabled():
             return
         recomputing = torch._C._current_graph_task_id() != -1  # a checkpoint recomputing its segment in the backward
-        site = (self._taken_plan if recomputing else self._plan).sites.get(id(module))
+        if not recomputing:
+            self._forward_plan = self._plan
+        site = self._forward_plan.sites.get(id(module))
         if site is None:
             return
         leaves = _tensor_leaves(output)
@@ -245,7 +247,6 @@ class Recorder:
 
     def take(self) -> Forward:
         calls, self.calls = self.calls, []
-        self._taken_plan = self._plan
         return Forward(calls, self._plan)
 
     def remove(self) -> None:

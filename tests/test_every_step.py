@@ -346,3 +346,48 @@ def test_the_legacy_weight_norm_is_refused_naming_the_parametrization_that_works
     engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0)
     with engine, pytest.raises(FlashDPError, match=r"weight_g.*torch\.nn\.utils\.parametrizations\.weight_norm"):
         engine.backward(_sum_loss(model, torch.randn(3, 3, dtype=torch.float64)))
+
+
+class AuxiliaryReadOnSomeSteps(nn.Module):
+    """An auxiliary Linear whose output the loss reads on some steps only: on `[T, B, d]` with T = 4 (its dim 0 is
+    time, of the batch's size by chance) or mixing samples (`mixes`)."""
+
+    def __init__(self, mixes: bool = False) -> None:
+        super().__init__()
+        self.aux, self.head, self.mixes = nn.Linear(4, 4), nn.Linear(4, 1), mixes
+
+    def forward(self, x, read_aux: bool):
+        if self.mixes:
+            aux = self.aux(x)
+            aux = aux - aux.mean(0)
+        else:
+            aux = self.aux(x.unsqueeze(0) * torch.arange(1.0, 5.0, dtype=x.dtype).view(4, 1, 1)).sum(0)
+        return self.head(x + aux if read_aux else x).squeeze(-1)
+
+
+def _aux_loss(model, batch):
+    x, read_aux = batch
+    return model(x, read_aux).square()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_the_loss_reads_only_after_the_verified_step_is_verified_then(mode):
+    """Its call was recorded, unread, on the step that verified the structure: the step that reads it is another
+    structure (its layout, time-major with T == B, was never seen), exact."""
+    torch.manual_seed(0)
+    model = AuxiliaryReadOnSomeSteps().double()
+    batches = [(torch.randn(4, 4, dtype=torch.float64), read) for read in (False, True, True)]
+    check_steps(model, batches, _aux_loss, lambda b, i: (b[0][i : i + 1], b[1]), [4, 4, 4], mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_mixing_samples_read_only_after_the_verified_step_is_refused_then(mode):
+    """(It was accepted, unverified: the step that reads it had the structure of the one that did not.) Its rows,
+    mixed by a mean over the batch, pass for an output shared across the batch; the self-check then refuses it."""
+    model = AuxiliaryReadOnSomeSteps(mixes=True).double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
+        engine.backward(_aux_loss(model, (x, False)))
+        model.zero_grad()
+        with pytest.raises(FlashDPError, match=r"not separable by sample|Self-check failed"):
+            engine.backward(_aux_loss(model, (x, True)))

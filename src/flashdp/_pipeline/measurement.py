@@ -127,11 +127,13 @@ def measure(
     anyway, ghost's, is the verifying pass). A structure (with users, their partition of the rows too) is trusted
     only under the routing it was verified under (`routing.py`): a step whose rows move otherwise between a rule
     site's output and the loss is verified again, or refused where no verifying pass can run."""
-    batch, graph, shapes = loss.shape[0], LossGraph(loss, users), shapes_of(calls)
-    # (a call none of whose outputs the loss reads has no gradient; it would hold its inputs and its output's node
-    # through every pass: inside a checkpointed region, that region's recomputation for each pass. One whose output
-    # was modified in place is kept: the pass refuses it, its gradient hidden)
+    batch, graph = loss.shape[0], LossGraph(loss, users)
+    # A call none of whose outputs the loss reads has no gradient: dropped, it is not part of the structure (a step
+    # on which it is read is another one, verified again) and holds nothing through the passes (inside a
+    # checkpointed region, its inputs and output's node would keep each pass's recomputation). One whose output was
+    # modified in place is kept: the norm pass refuses it, its gradient hidden.
     calls[:] = [c for c in calls if c.modified_in_place() or any(graph.reads(edge) for edge in c.edges)]
+    shapes = shapes_of(calls)
     checking = known.self_check.due(index)
     if checking:
         known = known.self_checked(index)

@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import make_step, unavailable  # noqa: E402
+from benchmarks.harness import interleaved_times, make_step, unavailable  # noqa: E402
 from benchmarks.memory import step_peak_mib  # noqa: E402
 from benchmarks.sections import write_section  # noqa: E402
 
@@ -49,24 +48,11 @@ def _modes(checkpointing: bool, only: list[str] | None = None) -> list[str]:
     ]
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def worker_time(seq: int, batch: int, checkpointing: bool, rounds: int, device: str) -> dict[str, float]:
     steps = {m: make_step("llama", m, seq, batch, device, checkpointing) for m in _modes(checkpointing)}
     for step in steps.values():
         step()
-    times: dict[str, list[float]] = {m: [] for m in steps}
-    for _ in range(rounds):
-        for mode, step in steps.items():
-            _sync(device)
-            start = time.perf_counter()
-            step()
-            _sync(device)
-            times[mode].append((time.perf_counter() - start) * 1000)
-    return {m: statistics.median(v) for m, v in times.items()}
+    return {m: statistics.median(v) for m, v in interleaved_times(steps, rounds, device).items()}
 
 
 def worker_memory(mode: str, seq: int, batch: int, checkpointing: bool, device: str) -> dict[str, float]:

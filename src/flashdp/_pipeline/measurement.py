@@ -132,7 +132,7 @@ def measure(
     # on which it is read is another one, verified again) and holds nothing through the passes (inside a
     # checkpointed region, its inputs and output's node would keep each pass's recomputation). One whose output was
     # modified in place is kept: the norm pass refuses it, its gradient hidden.
-    calls[:] = [c for c in calls if c.modified_in_place() or any(graph.reads(edge) for edge in c.edges)]
+    calls[:] = [c for c in calls if any(graph.reads(edge) for edge in c.edges) or c.modified_in_place()]
     shapes = shapes_of(calls)
     checking = known.self_check.due(index)
     if checking:

@@ -63,6 +63,22 @@ class AdapterSuite:
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
     @pytest.mark.parametrize("mode", ["bk", "ghost"])
+    @pytest.mark.parametrize("micros", [(2, 4), (2, 2, 4, 2)], ids=["two-then-one", "two-two-one-two"])
+    def test_steps_of_several_micro_batches_equal_one_process(self, mode, micros):
+        """One engine, several steps, each accumulated over micro-batches of `micros[s]` rows (4: one backward):
+        every step's norms and the final parameters are those of one process taking each global batch in one
+        backward."""
+        ranks = run(workloads.rank_steps_in_micro_batches, self.wrapper, mode, micros)
+        assert not any("error" in rank for rank in ranks), [rank.get("error") for rank in ranks]
+        expected_norms, expected_params = workloads.single_process_micro_steps(mode, len(micros))
+        for step, expected in enumerate(expected_norms):
+            got = torch.cat([rank["norms"][step] for rank in ranks])
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m, s=step: f"step {s}: {m}")
+        for rank in ranks:
+            for got, expected in zip(rank["params"], expected_params, strict=True):
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize("mode", ["bk", "ghost"])
     def test_users_clipped_on_their_ranks_equal_one_process(self, mode):
         ranks = run(workloads.rank_with_users, self.wrapper, mode, False)
         model = workloads.build_model()

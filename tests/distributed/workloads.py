@@ -249,15 +249,19 @@ def step_batches() -> list[torch.Tensor]:
     return [torch.randint(0, 11, (sum(sizes), STEP_LENGTH), generator=generator) for sizes in STEP_SIZES]
 
 
-def _train_steps(wrapped: nn.Module, mode: str, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+def _train_steps(
+    wrapped: nn.Module, mode: str, batches: list[torch.Tensor], micros: tuple[int, ...] | None = None
+) -> list[torch.Tensor]:
+    """One engine, one step per batch, step s in micro-batches of `micros[s]` rows (default: the whole batch in
+    one): each step's norms."""
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     engine = flashdp.make_private(
         wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=0.0, optimizer=optimizer,
         expected_batch_size=BATCH, sample_rate=0.1,
     )  # fmt: skip
     norms = []
-    for ids in batches:
-        norms.append(engine.backward(per_sample_loss(wrapped, ids)))
+    for ids, micro in zip(batches, micros or [len(ids) for ids in batches], strict=True):
+        norms.append(torch.cat([engine.backward(per_sample_loss(wrapped, part)) for part in ids.split(micro)]))
         engine.step()
     engine.detach()
     return norms
@@ -275,6 +279,30 @@ def rank_steps_with_changing_batches(rank: int, wrapper: str, mode: str) -> dict
     except flashdp.FlashDPError as error:
         return {"error": str(error)}
     return {"norms": norms, "params": full_params(wrapped)}
+
+
+def micro_step_batches(steps: int) -> list[torch.Tensor]:
+    """The global batch of each step of the multi-step runs."""
+    return [torch.roll(global_batch(), step, dims=0) for step in range(steps)]
+
+
+def rank_steps_in_micro_batches(rank: int, wrapper: str, mode: str, micros: tuple[int, ...]) -> dict:
+    """Steps of one engine, step s in micro-batches of `micros[s]` rows of the rank's 4: gradients accumulate
+    across micro-batches and are cleared by each step."""
+    batches = [ids[rank * 4 : rank * 4 + 4] for ids in micro_step_batches(len(micros))]
+    wrapped = wrap(build_model(), wrapper)
+    try:
+        norms = _train_steps(wrapped, mode, batches, micros)
+    except flashdp.FlashDPError as error:
+        return {"error": str(error)}
+    return {"norms": norms, "params": full_params(wrapped)}
+
+
+def single_process_micro_steps(mode: str, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """rank_steps_in_micro_batches' steps on one process, each global batch in one backward."""
+    model = build_model()
+    norms = _train_steps(model, mode, micro_step_batches(steps))
+    return norms, [p.detach().clone() for p in model.parameters()]
 
 
 def single_process_steps(mode: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -44,8 +44,8 @@ class _Unit:
     numels: list[int]
     shapes: list[torch.Size]
     trainable: set[int]  # indices of the original parameters that require grad
-    #: with use_orig_params, points the original parameters' .grad at views into the flat parameter's .grad
-    use_sharded_grad_views: Callable[[], None]
+    #: makes a tensor `[shard numel]` the flat parameter's .grad, as FSDP1's post-backward would (see `_exposer`)
+    expose: Callable[[Tensor], None]
     #: [shard numel] this step's reduced clipped sums. The flat parameter's .grad is set to it after every
     #: backward, but FSDP1's forward and backward hooks may move or drop that .grad in between: this is the truth.
     grad: Tensor | None = None
@@ -117,11 +117,9 @@ class FSDP1Adapter(ShardedAdapter):
         self._expose(unit)
 
     def _expose(self, unit: _Unit) -> None:
-        """Make the accumulated shard the flat parameter's .grad; with use_orig_params=True the optimizer reads
-        the original parameters' .grad, views into it."""
-        unit.flat_param.grad = unit.grad
-        if self.layout.use_orig_params:
-            unit.use_sharded_grad_views()
+        """Make the accumulated shard the flat parameter's .grad (with use_orig_params=True the optimizer reads
+        the original parameters' .grad, views into it)."""
+        unit.expose(unit.grad)
 
     def gradient_holders(self, params: list[TrainableParam]) -> list[Tensor]:
         return [unit.flat_param for unit in self.layout.units if unit.trainable]
@@ -184,4 +182,38 @@ def _read_unit(fsdp: nn.Module, flat: nn.Parameter, world_size: int) -> _Unit:
     consistent = len(offsets) == len(numels) == len(flat._param_infos) == len(shapes)
     if not consistent or position > shard_numel * world_size:
         raise ValueError("inconsistent parameter metadata")
-    return _Unit(flat, shard_numel, offsets, numels, shapes, trainable, fsdp._handle._use_sharded_grad_views)
+    return _Unit(flat, shard_numel, offsets, numels, shapes, trainable, _exposer(fsdp, flat, trainable))
+
+
+def _exposer(fsdp: nn.Module, flat: nn.Parameter, trainable: set[int]) -> Callable[[Tensor], None]:
+    """What FSDP1's post-backward does with a reduced gradient shard, which flashdp's norm pass never reaches
+    (no parameter gradient flows through FSDP1's hooks): the shard becomes the flat parameter's .grad, the one
+    FSDP1 saved at the backward's start to accumulate into is dropped (else FSDP1 keeps showing that stale one,
+    from an earlier micro-batch or step, through the original parameters' .grad), and with use_orig_params every
+    trainable parameter's .grad is a view into the shard, which is checked."""
+    handle, orig = fsdp._handle, fsdp._use_orig_params
+    params, in_shard = (list(flat._params), [i.in_shard for i in flat._shard_param_infos]) if orig else ([], [])
+    none_mask = flat._is_grad_none_mask if orig else None
+
+    def expose(grad: Tensor) -> None:
+        flat.grad = grad
+        if hasattr(flat, "_saved_grad_shard"):
+            del flat._saved_grad_shard
+        if not orig:
+            return
+        for i in trainable:
+            none_mask[i] = False  # (every trainable parameter got a gradient, as FSDP1's post-backward assumes)
+        handle._use_sharded_grad_views()
+        storage = grad.untyped_storage().data_ptr()
+        stale = [
+            i for i in trainable
+            if in_shard[i] and (params[i].grad is None or params[i].grad.untyped_storage().data_ptr() != storage)
+        ]  # fmt: skip
+        if stale:
+            raise FlashDPError(
+                f"FSDP1 (use_orig_params=True) did not point the .grad of {len(stale)} original parameter(s) at the "
+                "gradient flashdp computed: this torch's FSDP1 moved an internal flashdp relies on, and the optimizer "
+                "would step with another gradient. Shard the model with FSDP2 (fully_shard) instead."
+            )
+
+    return expose

@@ -12,6 +12,9 @@ class AdapterSuite:
     """Subclasses set `wrapper` (a name `workloads.wrap` knows)."""
 
     wrapper: str
+    #: the modes exact where ranks reach different layers (FSDP2's own reduce-scatter, which ghost's second pass
+    #: runs, takes only the parameters with a gradient on each rank: it aborts there, as without flashdp)
+    uneven_reach_modes = ("bk", "ghost")
 
     @pytest.mark.parametrize("mode", ["bk", "ghost"])
     def test_update_equals_one_process_on_the_union_batch(self, mode):
@@ -77,6 +80,17 @@ class AdapterSuite:
         for rank in ranks:
             for got, expected in zip(rank["params"], expected_params, strict=True):
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+    def test_a_layer_reached_on_one_rank_only_equals_one_process(self):
+        """Rank 1's batch never calls a layer of a unit rank 0's calls (an expert no token was routed to): every
+        rank reduce-scatters every unit, in the same order."""
+        for mode in self.uneven_reach_modes:
+            ranks = run(workloads.rank_with_a_branch_on_one_rank, self.wrapper, mode)
+            expected_norms, expected_params = workloads.single_process_with_a_branch(mode)
+            torch.testing.assert_close(torch.cat([r["norms"] for r in ranks]), expected_norms, rtol=1e-5, atol=1e-6)
+            for rank in ranks:
+                for got, expected in zip(rank["params"], expected_params, strict=True):
+                    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m, x=mode: f"{x}: {m}")
 
     @pytest.mark.parametrize("mode", ["bk", "ghost"])
     def test_users_clipped_on_their_ranks_equal_one_process(self, mode):

@@ -41,6 +41,46 @@ def build_time_major_model() -> nn.Module:
     )
 
 
+class Branch(nn.Module):
+    """A Linear, plus a second one on the rows where `extra_rows` `[B]` is True: called on every row, on none (as
+    an expert no row of a rank was routed to), or masked per row (the one-process reference)."""
+
+    def __init__(self):
+        super().__init__()
+        self.main, self.extra = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.extra_rows: torch.Tensor | None = None
+
+    def forward(self, x):
+        rows = self.extra_rows
+        if rows is None or not rows.any():
+            return self.main(x)
+        if rows.all():
+            return self.main(x) + self.extra(x)
+        return self.main(x) + rows.view(-1, *[1] * (x.dim() - 1)) * self.extra(x)
+
+
+def build_branching_model() -> nn.Module:
+    """build_model with a Branch as its middle layer (the same indices for `wrap`)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(12, 6), nn.LayerNorm(6), Branch(), nn.Tanh(), nn.Linear(6, 11))
+
+
+def rank_with_a_branch_on_one_rank(rank: int, wrapper: str, mode: str) -> dict:
+    """The Branch's second Linear is called on rank 0 only: ranks reach different parameters of one unit."""
+    model = build_branching_model()
+    model[2].extra_rows = torch.full((4,), rank == 0)
+    wrapped = wrap(model, wrapper)
+    norms = train(model, wrapped, global_batch()[rank * 4 : rank * 4 + 4], mode, 0.0, micro=BATCH)
+    return {"norms": norms, "params": full_params(wrapped)}
+
+
+def single_process_with_a_branch(mode: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model = build_branching_model()
+    model[2].extra_rows = torch.arange(BATCH) < 4
+    norms = train(model, model, global_batch(), mode, noise=0.0, micro=BATCH)
+    return norms, [p.detach().clone() for p in model.parameters()]
+
+
 def build_cnn() -> nn.Module:
     """Convolutions at the indices `wrap` shards, each with a direct norm at 7 x 7 images (dense per-sample
     gradients from one grouped convolution, built from the layer's settings, not from its sharded weight)."""

@@ -52,7 +52,7 @@ class BookKeeping:
         with torch.no_grad(), kernels_backend(self._backend):
             rows = coef.unbind()  # (one op for every group's row, and one cast per dtype: not per parameter)
             cast_rows: dict[tuple[int, torch.dtype], Tensor] = {}
-            for param, norm in norms:
+            for param, norm in sorted(norms, key=lambda pair: self._adapter.accumulation_order(pair[0])):
                 key = (param.clip_group, norm.plan.dtype)
                 if key not in cast_rows:
                     cast_rows[key] = cast(rows[param.clip_group], key[1])

@@ -54,6 +54,10 @@ class Adapter:
         """`grad += clipped_sum` (this rank's samples, full parameter shape) where the optimizer will read it."""
         add_to_grad(param.param, clipped_sum)
 
+    def accumulation_order(self, param: TrainableParam) -> int:
+        """Parameters reach `accumulate` sorted by this key (stably: in the forward's order where equal)."""
+        return 0
+
     def accumulation_done(self) -> None:
         """After the last `accumulate` of one backward."""
 

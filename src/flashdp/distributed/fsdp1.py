@@ -32,6 +32,7 @@ from flashdp._pipeline.params import ParamView, TrainableParam
 from flashdp._pipeline.profiling import PhaseTimer
 from flashdp.distributed.sharded import ShardedAdapter
 from flashdp.errors import FlashDPError
+from flashdp.per_sample import accumulation_dtype
 
 
 @dataclass
@@ -75,7 +76,7 @@ class FSDP1Adapter(ShardedAdapter):
         self.roots = FSDP.fsdp_modules(model, root_only=True)
         dp_group = wrapped[0].process_group
         self.layout = _read_layout(wrapped, dist.get_world_size(dp_group))
-        super().__init__(timer, dp_group, [set(unit.trainable) for unit in self.layout.units])
+        super().__init__(timer, dp_group, [sorted(unit.trainable) for unit in self.layout.units])
 
     def param_views(self, module: nn.Module) -> dict[str, ParamView]:
         units = self.layout.units
@@ -105,10 +106,15 @@ class FSDP1Adapter(ShardedAdapter):
     def unit_of(self, param: TrainableParam) -> tuple[int, Hashable]:
         return param.key
 
+    def zero_sum(self, u: int, key: Hashable) -> Tensor:
+        flat = self.layout.units[u].flat_param
+        return flat.new_zeros(self.layout.units[u].numels[key], dtype=accumulation_dtype(flat))
+
     def reduce_scatter_unit(self, u: int, sums: dict[Hashable, Tensor]) -> None:
         """The unit's sums laid out as its unsharded flat parameter `[shard numel * world]`, reduce-scattered."""
         unit = self.layout.units[u]
-        buffer = next(iter(sums.values())).new_zeros(unit.shard_numel * self.world_size)
+        flat = unit.flat_param  # (its dtype, not the sums': the same on every rank)
+        buffer = flat.new_zeros(unit.shard_numel * self.world_size, dtype=accumulation_dtype(flat))
         for i, clipped_sum in sums.items():
             buffer[unit.offsets[i] : unit.offsets[i] + unit.numels[i]] = clipped_sum.reshape(-1)
         shard = buffer.new_empty(unit.shard_numel)

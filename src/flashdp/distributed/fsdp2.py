@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Hashable, Iterator
 
 import torch
@@ -14,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.profiling import PhaseTimer
 from flashdp.distributed.sharded import ShardedAdapter, refuse_hybrid_sharding
+from flashdp.per_sample import accumulation_dtype
 
 
 def is_fsdp2(model: nn.Module) -> bool:
@@ -38,10 +38,10 @@ class FSDP2Adapter(ShardedAdapter):
             for p in module.parameters():
                 self._unit_index[id(p)] = unit  # inner units come later in modules() order and overwrite
         self._params = {id(p): p for p in model.parameters()}
-        trainable: list[set[Hashable]] = [set() for _ in self.fsdp_modules]
-        for pid, unit in self._unit_index.items():
-            if self._params[pid].requires_grad:
-                trainable[unit].add(pid)
+        trainable: list[list[Hashable]] = [[] for _ in self.fsdp_modules]
+        for pid, p in self._params.items():  # (the model's parameter order: the same on every rank)
+            if p.requires_grad and pid in self._unit_index:
+                trainable[self._unit_index[pid]].append(pid)
         super().__init__(timer, mesh.get_group(), trainable)
 
     @contextlib.contextmanager
@@ -61,9 +61,13 @@ class FSDP2Adapter(ShardedAdapter):
     def unit_of(self, param: TrainableParam) -> tuple[int, Hashable]:
         return self._unit_index[id(param.param)], id(param.param)
 
+    def zero_sum(self, unit: int, key: Hashable) -> Tensor:
+        param = self._params[key]
+        return torch.zeros(param.shape, dtype=accumulation_dtype(param), device=param.device)
+
     def reduce_scatter_unit(self, unit: int, sums: dict[Hashable, Tensor]) -> None:
         """One reduce-scatter for a unit: row r of `send` is rank r's dim-0 chunk of every parameter."""
-        dtype = functools.reduce(torch.promote_types, (full.dtype for full in sums.values()))
+        dtype = accumulation_dtype(*(self._params[key] for key in sums))  # (the same on every rank)
         chunks = [-(-full.shape[0] // self.world_size) for full in sums.values()]
         blocks = []
         for full, chunk in zip(sums.values(), chunks, strict=True):

@@ -16,22 +16,26 @@ from flashdp.errors import FlashDPError
 
 
 class ShardedAdapter(Adapter, abc.ABC):
-    """A unit is one FSDP-wrapped module. Its clipped sums go to `reduce_scatter_unit(unit, sums)` as soon as all
-    its trainable parameters have arrived, in arrival order (the forward's, the same on every rank);
-    `accumulation_done()` hands over, in unit order, the units the forward left incomplete. So one collective per
-    unit, and full-size sums are held one unit at a time.
+    """A unit is one FSDP-wrapped module. Every backward reduce-scatters every unit with trainable parameters once,
+    in unit order, whatever this rank's loss reached: the parameters arrive sorted by unit (`accumulation_order`),
+    a unit goes to `reduce_scatter_unit(unit, sums)` once a later unit's parameter arrives (or at
+    `accumulation_done()`), with zeros for the parameters that did not arrive. So every rank runs the same
+    collectives in the same order even where its batch reaches other layers than another rank's (an expert no
+    token of this rank was routed to, a branch taken on one rank only), and full-size sums are held one unit at a
+    time.
     """
 
     reshards_after_forward = True
 
-    def __init__(self, timer: PhaseTimer, dp_group: dist.ProcessGroup, trainable: list[set[Hashable]]) -> None:
+    def __init__(self, timer: PhaseTimer, dp_group: dist.ProcessGroup, trainable: list[list[Hashable]]) -> None:
         super().__init__(timer)
         self.dp_group = dp_group
         self.world_size = dist.get_world_size(dp_group)
         self.rank = dist.get_rank(dp_group)
-        #: per unit, the keys of its trainable parameters
+        #: per unit, the keys of its trainable parameters, in an order the same on every rank
         self.trainable = trainable
-        self._pending: dict[int, dict[Hashable, Tensor]] = {}
+        self._pending: dict[Hashable, Tensor] = {}  # the current unit's sums
+        self._unit = 0  # the unit being accumulated: those before it are reduce-scattered
 
     @abc.abstractmethod
     def unit_of(self, param: TrainableParam) -> tuple[int, Hashable]:
@@ -39,18 +43,36 @@ class ShardedAdapter(Adapter, abc.ABC):
 
     @abc.abstractmethod
     def reduce_scatter_unit(self, unit: int, sums: dict[Hashable, Tensor]) -> None:
-        """Reduce-scatter (SUM) a unit's full-size clipped sums into this rank's shards of its gradients."""
+        """Reduce-scatter (SUM) a unit's full-size clipped sums, one per trainable parameter of the unit in
+        `self.trainable[unit]`'s order (zeros where this rank has none), into this rank's shards of its
+        gradients."""
+
+    @abc.abstractmethod
+    def zero_sum(self, unit: int, key: Hashable) -> Tensor:
+        """The full-size clipped sum of a parameter this rank's loss did not reach: zeros."""
+
+    def accumulation_order(self, param: TrainableParam) -> int:
+        return self.unit_of(param)[0]
 
     def accumulate(self, param: TrainableParam, clipped_sum: Tensor) -> None:
         unit, key = self.unit_of(param)
-        sums = self._pending.setdefault(unit, {})
-        sums[key] = clipped_sum
-        if sums.keys() >= self.trainable[unit]:
-            self.reduce_scatter_unit(unit, self._pending.pop(unit))
+        if unit < self._unit:
+            raise RuntimeError(f"flashdp: a clipped sum of unit {unit} arrived after unit {self._unit}'s")
+        self._reduce_scatter_units_before(unit)
+        self._pending[key] = clipped_sum
 
     def accumulation_done(self) -> None:
-        for unit in sorted(self._pending):
-            self.reduce_scatter_unit(unit, self._pending.pop(unit))
+        self._reduce_scatter_units_before(len(self.trainable))
+        self._unit = 0
+
+    def _reduce_scatter_units_before(self, end: int) -> None:
+        """Reduce-scatter units `[self._unit, end)` that have trainable parameters, each once, in unit order."""
+        for unit in range(self._unit, end):
+            if self.trainable[unit]:
+                sums, self._pending = self._pending, {}
+                every = {key: sums[key] if key in sums else self.zero_sum(unit, key) for key in self.trainable[unit]}
+                self.reduce_scatter_unit(unit, every)
+        self._unit = max(self._unit, end)
 
     def reduce_scatter(self, output: Tensor, input: Tensor) -> None:
         """`output` = this rank's 1 / world slice (along dim 0) of the sum over ranks of `input`."""

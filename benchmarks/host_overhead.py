@@ -2,6 +2,7 @@
 
     python benchmarks/host_overhead.py            # median step times and microseconds per call
     python benchmarks/host_overhead.py --profile  # where a bk step's host time goes (cProfile)
+    python benchmarks/host_overhead.py --device cuda   # on a GPU: each step ends with a synchronisation
 
 64 blocks of LayerNorm(8) + Linear(8, 8), B=4, T=8, one thread: 128 recorded calls a step. The modes run in
 interleaved rounds (non-private, bk, ghost, ...); reported, the median step time of each and
@@ -34,8 +35,8 @@ def build() -> nn.Module:
     return nn.Sequential(*[layer for _ in range(BLOCKS) for layer in (nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH))])
 
 
-def make_step(mode: str):
-    model, x = build(), torch.randn(BATCH, LENGTH, WIDTH)
+def make_step(mode: str, device: str = "cpu"):
+    model, x = build().to(device), torch.randn(BATCH, LENGTH, WIDTH, device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     if mode == "non-private":
 
@@ -57,8 +58,8 @@ def make_step(mode: str):
     return step
 
 
-def measure(rounds: int) -> dict[str, float]:
-    steps = {mode: make_step(mode) for mode in MODES}
+def measure(rounds: int, device: str) -> dict[str, float]:
+    steps = {mode: make_step(mode, device) for mode in MODES}
     for step in steps.values():
         for _ in range(3):  # the first step verifies and self-checks
             step()
@@ -67,6 +68,8 @@ def measure(rounds: int) -> dict[str, float]:
         for mode, step in steps.items():
             start = time.perf_counter()
             step()
+            if device == "cuda":
+                torch.cuda.synchronize()
             times[mode].append(time.perf_counter() - start)
     return {mode: 1e3 * statistics.median(t) for mode, t in times.items()}
 
@@ -75,18 +78,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", flashdp.FlashDPWarning)  # (fixed batches: not Poisson-sampled)
     if args.profile:
-        step = make_step("bk")
+        step = make_step("bk", args.device)
         for _ in range(3):
             step()
         profile = cProfile.Profile()
         profile.runcall(lambda: [step() for _ in range(10)])
         pstats.Stats(profile).sort_stats("tottime").print_stats(30)
         return
-    ms = measure(args.rounds)
+    ms = measure(args.rounds, args.device)
     print("| mode | step time (ms) | host time per recorded call over non-private (us) |\n|---|---|---|")
     for mode in MODES:
         print(f"| {mode} | {ms[mode]:.1f} | {(ms[mode] - ms['non-private']) / CALLS * 1e3:.0f} |")

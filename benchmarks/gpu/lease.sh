@@ -38,9 +38,15 @@ for name in ${PARTS:-kernels syncs step autocast tests_kernels tests_cuda_only};
     step) part step "${STEP_LIMIT:-200}" python3 benchmarks/gpu/step.py --out "$OUT/step.jsonl" $STEP_ARGS ;;
     tests_kernels) part tests_kernels 120 python3 -m pytest -q -p no:cacheprovider -p benchmarks.gpu.on_cuda -n 8 \
         tests/kernels --timeout 100 -rf ;;
+    host) part host 60 python3 benchmarks/host_overhead.py --device cuda ;;
+    workloads) part workloads 180 python3 benchmarks/hf_models.py --workloads --no-write --device cuda ;;
+    first_memory) part first_memory 120 python3 benchmarks/long_context.py --seqs 1024 --batches 4 --max-seq-b4 1024 \
+        --no-time --no-docs --out "$OUT/first_memory.csv" --modes non-private flashdp-bk flashdp-ghost ;;
     tests_cuda_only) part tests_cuda_only 90 python3 -m pytest -q -p no:cacheprovider -n 4 -k on_cuda \
         tests/rules/test_recurrent.py tests/rules/test_conv.py --timeout 80 -rf ;;
     esac
 done
-grep -hs "^| \|passed\|failed" "$OUT"/kernels.log "$OUT"/syncs.log "$OUT"/autocast.log "$OUT"/tests_*.log | tail -60
+grep -hs "^| \|passed\|failed" "$OUT"/kernels.log "$OUT"/syncs.log "$OUT"/autocast.log "$OUT"/host.log \
+    "$OUT"/workloads.log "$OUT"/tests_*.log | tail -60
+cat "$OUT"/first_memory.csv 2>/dev/null
 grep -hs '"mode"' "$OUT"/step.log | cut -c1-400

@@ -310,9 +310,10 @@ def _kept_in_bfloat16(materialised: Tensor) -> tuple[Tensor, Tensor]:
     """A bfloat16 layer's per-sample gradients `[N, p, d]` (computed in float32) as bk keeps them until its clipped
     sum: in bfloat16, the precision of the layer's non-private gradient, in half the memory (bfloat16 has float32's
     range). Returns them and their `[N]` squared norms, taken of the rounded values (in float32): the clipped sum
-    adds exactly the gradients whose norms were clipped, so each contribution stays within C."""
+    adds exactly the gradients whose norms were clipped, so each contribution stays within C. (The norms read the
+    bfloat16 values, widened exactly as they are read: no float32 copy of them is written.)"""
     kept = materialised.to(torch.bfloat16)
-    return kept, sum_of_squares(materialised.copy_(kept))
+    return kept, sum_of_squares(kept)
 
 
 def _float64(block: OuterGrad) -> OuterGrad:

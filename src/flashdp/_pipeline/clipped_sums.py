@@ -51,11 +51,12 @@ class BookKeeping:
         (with users: `[L, U]`, applied to the plans, which are per user)."""
         with torch.no_grad(), kernels_backend(self._backend):
             rows = coef.unbind()  # (one op for every group's row, and one cast per dtype: not per parameter)
+            broadcast = coef.stride(0) == 0  # one row for every group (flat clipping): cast once
             cast_rows: dict[tuple[int, torch.dtype], Tensor] = {}
             for param, norm in sorted(norms, key=lambda pair: self._adapter.accumulation_order(pair[0])):
-                key = (param.clip_group, norm.plan.dtype)
+                key = (0 if broadcast else param.clip_group, norm.plan.dtype)
                 if key not in cast_rows:
-                    cast_rows[key] = cast(rows[param.clip_group], key[1])
+                    cast_rows[key] = cast(rows[key[0]], key[1])
                 self._adapter.accumulate(param, norm.plan.clipped_sum(cast_rows[key]))
             self._adapter.accumulation_done()
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashdp._pipeline import aliasing, learning, nonfinite, routing, self_check
+from flashdp._pipeline import aliasing, clipping, learning, nonfinite, routing, self_check
 from flashdp._pipeline.clipped_sums import Keeps, Norms
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
 from flashdp._pipeline.grad_writes import GradWrites
@@ -375,7 +375,7 @@ def _finish(
     loss, units, groups = graph.loss, graph.units, len(known.plan.clip_group_names)
     with torch.no_grad(), kernels_backend(parts.settings.backend), parts.timer.phase("norm computation"):
         norms = done.collector.finish()
-        clip_norms_sq = _group_norms_sq(norms, groups, units, loss.device)
+        clip_norms_sq = _group_norms_sq(norms, groups, units)
         checks = done.collector.deferred or []
         # one device sync for the rules' recomputations as recorded and the squared norms finite
         *recomputed, finite = torch.stack([*(ok for ok, _ in checks), torch.isfinite(clip_norms_sq).all()]).tolist()
@@ -384,7 +384,7 @@ def _finish(
         parts.strategies.update((param.name, norm.strategy) for param, norm in norms)
         if not finite:  # a float32 norm that overflowed, or a NaN/inf gradient
             norms = _float64_norms(parts, known, graph, norms, done.collector, keeps)
-            clip_norms_sq = _group_norms_sq(norms, groups, units, loss.device)
+            clip_norms_sq = _group_norms_sq(norms, groups, units)
         done.collector = None
         if parts.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
             with parts.timer.phase("communication"):
@@ -447,16 +447,7 @@ def _unit(users: UserGroups | None, index: int) -> self_check.Unit:
     return self_check.Unit(index, users.rows_of(index), f"user {users.named(index)}")
 
 
-def _group_norms_sq(norms: Norms, groups: int, batch: int, device: torch.device) -> Tensor:
-    """`[L, B]` float64 squared norms of the L clipping groups (a stack and a sum per group, not an add per
-    parameter)."""
-    members: dict[int, list[Tensor]] = {}
-    for param, norm in norms:
-        members.setdefault(param.clip_group, []).append(norm.norm_sq)
-    sums = {group: torch.stack(norms_sq).sum(0, dtype=torch.float64) for group, norms_sq in members.items()}
-    if len(sums) == groups:  # (every group reached: one stack of their sums)
-        return torch.stack([sums[g] for g in range(groups)])
-    total = torch.zeros(groups, batch, dtype=torch.float64, device=device)
-    for group, norm_sq in sums.items():
-        total[group] = norm_sq
-    return total
+def _group_norms_sq(norms: Norms, groups: int, batch: int) -> Tensor:
+    """`[L, B]` float64 squared norms of the L clipping groups."""
+    norms_sq = [norm.norm_sq for _, norm in norms]
+    return clipping.group_norms_sq(norms_sq, tuple(param.clip_group for param, _ in norms), groups, batch)

@@ -136,6 +136,36 @@ def bmm_in(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.bmm(cast(a, dtype), cast(b, dtype))
 
 
+def bfloat16_parts(x: Tensor) -> Tensor:
+    """`[3, *x.shape]` bfloat16 parts of a float32 `x` that sum to `x` exactly where `|x| >= 2^-109` (float32's 24
+    significant bits as 3 x 8; a clipping coefficient below that would need a norm above 10^32 C). Each part is
+    the remainder so far with the low 16 bits of its float32 pattern cleared (a truncation towards zero, exact in
+    bfloat16); each remainder is exact in float32. Below 2^-109 the bits under bfloat16's smallest subnormal
+    (2^-133) are dropped: the parts' sum is then `x` truncated towards zero."""
+    parts, rest = [], x.contiguous()
+    for _ in range(3):
+        parts.append((rest.view(torch.int32) & -65536).view(torch.float32))  # (-65536: 0xFFFF0000)
+        rest = rest - parts[-1]
+    return torch.stack(parts).to(torch.bfloat16)
+
+
+def weighted_rows(coef: Tensor, rows: Tensor) -> Tensor:
+    """`sum_b coef_b rows_b` `[n]` for `coef` `[B]` in `accumulation_dtype(rows)` and `rows` `[B, n]`, accumulated
+    in that dtype. bfloat16 rows on CUDA are read once, as they are (a float32 copy of them would be written and
+    read again): the float32 coefficients split exactly into bfloat16 parts (`bfloat16_parts`), whose products
+    with the rows are exact in float32, summed on the tensor cores in float32 (`split_weighted_rows`)."""
+    if rows.dtype == torch.bfloat16 and rows.is_cuda and _BMM_OUT_DTYPE and coef.dtype == torch.float32:
+        return split_weighted_rows(coef, rows)
+    return coef @ cast(rows, accumulation_dtype(rows))
+
+
+def split_weighted_rows(coef: Tensor, rows: Tensor) -> Tensor:
+    """`weighted_rows` of float32 `coef` `[B]` and bfloat16 `rows` `[B, n]` through `bfloat16_parts`: `[3, n]`
+    partial sums in float32, then added."""
+    partial = bmm_in(bfloat16_parts(coef)[None], rows[None], torch.float32)[0]
+    return (partial[0] + partial[1]) + partial[2]
+
+
 def rounding_dtype(output: Tensor) -> torch.dtype:
     """The dtype whose rounding `output` carries, for the tolerance of a check: its own, or a 16-bit one where it is
     float32 that CUDA may have computed in TF32 (10 mantissa bits, like a 16-bit float)."""

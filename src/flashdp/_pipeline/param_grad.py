@@ -17,7 +17,14 @@ from flashdp._pipeline import outer_products
 from flashdp._pipeline.users import UserGroups
 from flashdp.errors import FlashDPError
 from flashdp.kernels.outer_norm.reference import ghost_inner, per_sample, sum_of_squares
-from flashdp.per_sample import DeferredOuterGrad, OuterGrad, PerSampleGrad, accumulation_dtype, cast
+from flashdp.per_sample import (
+    DeferredOuterGrad,
+    OuterGrad,
+    PerSampleGrad,
+    accumulation_dtype,
+    cast,
+    weighted_rows,
+)
 
 StrategyChoice = Literal["auto", "ghost", "direct"]
 
@@ -53,10 +60,9 @@ class ClippedSumPlan:
         if self.per_sample is not None:
             rows = self.per_sample
             rows = rows if rows.dim() == 2 else rows.reshape(len(coef), self.shape.numel())
-            # a GEMV, not a bmm; 16-bit rows (kept bf16, `_rounded_for_keeping`) widened: a coefficient rounded to
-            # 16 bits could scale a sample's gradient past C
-            wide = accumulation_dtype(rows)
-            parts.append(cast(coef, wide) @ rows.to(wide))
+            # 16-bit rows (kept bf16, `_kept_in_bfloat16`) never meet a coefficient rounded to 16 bits, which could
+            # scale a sample's gradient past C
+            parts.append(weighted_rows(cast(coef, accumulation_dtype(rows)), rows))
         if self.factors is not None:
             f = self.factors
             parts.append(kernels.clipped_sum(f.left, f.right, coef, f.conv_groups))

@@ -34,10 +34,10 @@ def test_bfloat16_parts_sum_to_the_float32_value_exactly_above_2_to_the_minus_10
 def test_split_weighted_rows_are_the_float32_sum_of_exact_products(batch, width, low, seed):
     """Coefficients across exponents (min(1, C / norm) spans many): the split sum is as close to the float64 sum
     as the float32 product of float32 copies (coefficients rounded to bfloat16, off by up to 2^-9, fail the bound)."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = torch.randn(batch, width, generator=generator).to(device=DEVICE, dtype=torch.bfloat16)
-    coef = torch.rand(batch, generator=generator) * 2.0 ** torch.randint(low, 1, (batch,), generator=generator)
-    coef = coef.to(DEVICE)
+    generator = torch.Generator().manual_seed(seed)  # (drawn on the CPU, also where CUDA is the default device)
+    rows = torch.randn(batch, width, generator=generator, device="cpu").to(device=DEVICE, dtype=torch.bfloat16)
+    exponents = torch.randint(low, 1, (batch,), generator=generator, device="cpu")
+    coef = (torch.rand(batch, generator=generator, device="cpu") * 2.0**exponents).to(DEVICE)
     exact = coef.double() @ rows.double()
     scale = coef.double().abs() @ rows.double().abs() + 1e-300
     split = split_weighted_rows(coef, rows)

@@ -21,7 +21,7 @@ from flashdp._pipeline.settings import EngineSettings
 from flashdp._pipeline.users import UserGroups
 from flashdp.distributed import Adapter
 from flashdp.kernels import backend as kernels_backend
-from flashdp.per_sample import cast
+from flashdp.per_sample import cast, weighted_rows
 
 #: each reached parameter with its squared norms `[B]` and clipped-sum plan
 Norms = list[tuple[TrainableParam, ParamNorm]]
@@ -53,12 +53,54 @@ class BookKeeping:
             rows = coef.unbind()  # (one op for every group's row, and one cast per dtype: not per parameter)
             broadcast = coef.stride(0) == 0  # one row for every group (flat clipping): cast once
             cast_rows: dict[tuple[int, torch.dtype], Tensor] = {}
-            for param, norm in sorted(norms, key=lambda pair: self._adapter.accumulation_order(pair[0])):
+            ordered = sorted(norms, key=lambda pair: self._adapter.accumulation_order(pair[0]))
+            for param, norm in ordered:
                 key = (0 if broadcast else param.clip_group, norm.plan.dtype)
                 if key not in cast_rows:
                     cast_rows[key] = cast(rows[key[0]], key[1])
-                self._adapter.accumulate(param, norm.plan.clipped_sum(cast_rows[key]))
+            row_of = {
+                param.key: cast_rows[(0 if broadcast else param.clip_group, norm.plan.dtype)] for param, norm in ordered
+            }
+            summed = _small_rows_summed(ordered, row_of)
+            for param, norm in ordered:
+                clipped_sum = summed.pop(param.key, None)
+                if clipped_sum is None:
+                    clipped_sum = norm.plan.clipped_sum(row_of[param.key])
+                self._adapter.accumulate(param, clipped_sum)
             self._adapter.accumulation_done()
+
+
+#: per sample, the most elements of a parameter whose kept rows are summed with others' in one product
+SMALL_ROWS = 1 << 16
+
+
+def _small_rows_summed(norms: Norms, row_of: dict) -> dict:
+    """The clipped sums of the parameters whose plans are small per-sample rows alone (biases, normalisation
+    weights), by parameter key: the rows of those sharing a coefficient row and dtype concatenated and summed by one
+    product (one per parameter, each a few torch ops, made a step of many small layers host-bound)."""
+    batches: dict[tuple[int, torch.dtype], list] = {}
+    for param, norm in norms:
+        rows = norm.plan.rows_alone
+        if rows is not None and norm.plan.shape.numel() <= SMALL_ROWS:
+            batches.setdefault((id(row_of[param.key]), rows.dtype), []).append((param, norm.plan))
+    summed = {}
+    for batch in batches.values():
+        if len(batch) < 2:
+            continue
+        coef = row_of[batch[0][0].key]
+        flat = torch.cat([_as_rows(plan.rows_alone) for _, plan in batch], dim=1)
+        parts = weighted_rows(coef, flat).split([plan.shape.numel() for _, plan in batch])
+        views = [part.view(plan.shape) for part, (_, plan) in zip(parts, batch, strict=True)]
+        # each its own tensor (one op for all): a .grad set to a view would share its storage and its version
+        # counter, which tells an in-place change to it, with the others'
+        owned = torch._foreach_mul(views, 1.0)
+        summed.update((param.key, sum_) for (param, _), sum_ in zip(batch, owned, strict=True))
+    return summed
+
+
+def _as_rows(per_sample: Tensor) -> Tensor:
+    """`[B, n]` (a reshape only where needed: each is an op, and this runs per parameter)."""
+    return per_sample if per_sample.dim() == 2 else per_sample.reshape(len(per_sample), -1)
 
 
 class SecondBackward:

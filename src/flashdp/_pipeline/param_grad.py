@@ -44,6 +44,13 @@ class ClippedSumPlan:
     weighted: tuple[DeferredOuterGrad, ...] = ()
 
     @property
+    def rows_alone(self) -> Tensor | None:
+        """The per-sample rows `[B, ...]` where they are the whole plan (no factors, tokens or layer sums)."""
+        if self.factors is None and self.tokens is None and not self.weighted:
+            return self.per_sample
+        return None
+
+    @property
     def dtype(self) -> torch.dtype:
         """The widest dtype its parts accumulate in: coefficients cast to it once lose nothing any part keeps."""
         tensors = [self.per_sample] if self.per_sample is not None else []

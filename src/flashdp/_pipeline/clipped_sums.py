@@ -90,7 +90,10 @@ def _small_rows_summed(norms: Norms, row_of: dict) -> dict:
         coef = row_of[batch[0][0].key]
         flat = torch.cat([_as_rows(plan.rows_alone) for _, plan in batch], dim=1)
         parts = weighted_rows(coef, flat).split([plan.shape.numel() for _, plan in batch])
-        views = [part.view(plan.shape) for part, (_, plan) in zip(parts, batch, strict=True)]
+        views = [
+            part if len(plan.shape) == 1 else part.view(plan.shape)
+            for part, (_, plan) in zip(parts, batch, strict=True)
+        ]
         # each its own tensor (one op for all): a .grad set to a view would share its storage and its version
         # counter, which tells an in-place change to it, with the others'
         owned = torch._foreach_mul(views, 1.0)

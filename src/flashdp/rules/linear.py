@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
-from flashdp.per_sample import OuterGrad, PerSampleGrad
+from flashdp.per_sample import OuterGrad, PerSampleGrad, accumulation_dtype
 from flashdp.rules.registry import register_rule
 from flashdp.rules.shapes import positions
 
@@ -24,7 +23,7 @@ def _linear_grads(
         a = positions(x, f"input of {what}")
         out["weight"] = OuterGrad(a, g) if transposed else OuterGrad(g, a)
     if "bias" in trainable:
-        out["bias"] = g.sum(1, dtype=torch.promote_types(g.dtype, torch.float32))
+        out["bias"] = g.sum(1, dtype=accumulation_dtype(g))  # (not torch.promote_types: an op per call)
     return out
 
 

@@ -63,3 +63,17 @@ def test_bfloat16_kept_rows_summed_together_are_the_clipped_sum():
             param.grad.double(), sums[name], rtol=0.05, atol=0.02, msg=lambda m, n=name: f"{n}: {m}"
         )
     engine.detach()
+
+
+def test_a_backward_of_no_rows_adds_nothing():
+    """A rank's empty micro-batch (DDP, FSDP run every pass on every rank): per-sample rows `[0, ...]` of
+    matrix-shaped parameters too."""
+    model = _model()
+    engine = flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=0.0)
+    engine.backward(_loss(model, torch.randn(3, 8, 4, dtype=torch.float64)))
+    before = {name: p.grad.clone() for name, p in model.named_parameters()}
+    engine._adapter.world_size = 2  # (as a rank of two: the passes run on zero rows)
+    assert engine.backward(_loss(model, torch.randn(0, 8, 4, dtype=torch.float64))).shape == (0,)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.grad, before[name]), name
+    engine.detach()

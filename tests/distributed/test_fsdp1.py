@@ -1,5 +1,6 @@
 """FSDP1 (FullyShardedDataParallel), use_orig_params False and True, on 2 gloo processes."""
 
+import pytest
 import torch
 
 from tests.distributed import workloads
@@ -49,3 +50,11 @@ def test_fewer_losses_than_samples_are_refused_naming_the_mismatch():
     """Under FSDP the coverage walk's own errors come before the refusal of what FSDP cannot count."""
     for error in run(workloads.rank_with_fewer_losses_than_samples, "fsdp1-orig"):
         assert "Batch size mismatch" in error, error
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_shard_grad_op_is_refused_naming_what_to_use(use_orig_params):
+    """It trained silently wrong from the second step (the forward read the gathered parameters of before the
+    update), or was refused as if parameters had been replaced."""
+    for error in run(workloads.rank_with_shard_grad_op, use_orig_params):
+        assert "SHARD_GRAD_OP" in error and "Use FULL_SHARD, or FSDP2" in error, error

@@ -408,3 +408,17 @@ def rank_with_fewer_losses_than_samples(rank: int, wrapper: str) -> str:
     except flashdp.FlashDPError as error:
         return str(error)
     return "no error"
+
+
+def rank_with_shard_grad_op(rank: int, use_orig_params: bool) -> str:
+    """FSDP1 with SHARD_GRAD_OP: make_private's refusal (flashdp's backward runs under no_sync(), where the
+    gathered parameters outlive the backward and the next forward would miss the optimizer's update)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    options = {"device_id": torch.device("cpu"), "use_orig_params": use_orig_params}
+    wrapped = FullyShardedDataParallel(build_model(), sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, **options)
+    try:
+        flashdp.make_private(wrapped, mode="bk", max_grad_norm=1.0, noise_multiplier=0.0)
+    except flashdp.FlashDPError as error:
+        return str(error)
+    return "no error"

@@ -67,10 +67,13 @@ class FSDP1Adapter(ShardedAdapter):
     def __init__(self, model: nn.Module, timer: PhaseTimer) -> None:
         wrapped = FSDP.fsdp_modules(model)
         for unit in wrapped:
-            if unit.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+            if unit.sharding_strategy != ShardingStrategy.FULL_SHARD:
                 raise FlashDPError(
-                    f"flashdp supports FSDP1 with sharding_strategy FULL_SHARD or SHARD_GRAD_OP; this model uses "
-                    f"{unit.sharding_strategy.name}. For NO_SHARD use DistributedDataParallel; hybrid sharding is "
+                    f"flashdp supports FSDP1 with sharding_strategy FULL_SHARD; this model uses "
+                    f"{unit.sharding_strategy.name}. flashdp's backward runs under no_sync(), where SHARD_GRAD_OP "
+                    "keeps the gathered parameters after the backward, so the next forward would not see the "
+                    "optimizer's update. Use FULL_SHARD, or FSDP2 (fully_shard, with reshard_after_forward=False "
+                    "for SHARD_GRAD_OP's behaviour); for NO_SHARD use DistributedDataParallel; hybrid sharding is "
                     "not supported."
                 )
         self.roots = FSDP.fsdp_modules(model, root_only=True)

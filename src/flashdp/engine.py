@@ -151,8 +151,7 @@ class DPEngine:
         """The backward of stand-in rows a rank runs only to run the same passes as the other ranks (DDP, FSDP)
         where it has no samples for a micro-batch and the model cannot run a forward on zero rows (HF transformers):
         `loss` `[b]` their per-sample losses. Weighted by exactly 0 here, they add nothing to `.grad` and count as
-        no samples; their norms are checked to be 0. users: with user-level clipping, any ids (no users of the step).
-        """
+        no samples; their norms are checked to be 0. users: with user-level clipping, any ids (no users of it)."""
         skipped = self._skipped_samples
         norms = self._backward(loss * 0.0, users, counted=False)
         self._skipped_samples = skipped  # (stand-ins are no samples, skipped or not)
@@ -160,7 +159,7 @@ class DPEngine:
 
     def _backward(self, loss: Tensor, users: Tensor | None, counted: bool) -> Tensor:
         """`backward`; `counted`: whether its rows (and users) count as samples (users) of the step."""
-        loss, forward = self._take_forward(loss, check_provenance=True)
+        loss, forward, refusal = self._take_forward(loss, check_provenance=True)
         self._attachment.grad_writes.check_no_gradient_hooks()
         batch = loss.shape[0]
         groups = None if users is None else UserGroups.of(users, batch, loss.device)
@@ -172,7 +171,7 @@ class DPEngine:
             self.noisy_step.backward_done(0)
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
         # an empty batch on one rank of several still runs every pass: the wrappers' collectives must match
-        measured = self._measure(loss, forward, self._sums.keeps, groups)
+        measured = self._measure(loss, forward, self._sums.keeps, groups, refusal)
         clip_norms_sq = measured.clip_norms_sq
         coef, norms = self._coefficients(measured)
         del measured
@@ -199,11 +198,7 @@ class DPEngine:
                 "since the last backward: call engine.backward(loss) on its per-sample losses instead."
             )
         if self._adapter.world_size > 1:
-            raise FlashDPError(
-                f"engine.backward_empty() on one rank of {self._adapter.world_size}: every rank must run the same "
-                "forward and backward passes (their collectives must match). Run the forward on the empty batch and "
-                "engine.backward(loss) on its empty loss."
-            )
+            raise _backward_empty_on_one_rank_error(self._adapter.world_size)
         self._timer.forward_ended()
         self.noisy_step.backward_done(0)
 
@@ -212,7 +207,7 @@ class DPEngine:
         noise or any change to `.grad` (for data valuation and debugging): the norm over all trainable parameters,
         or with `per_parameter=True` a dict of each parameter's `[B]` norms. The forward's graph is kept, so
         `loss.mean().backward()` may follow for ordinary training."""
-        loss, forward = self._take_forward(loss, check_provenance=False)
+        loss, forward, _ = self._take_forward(loss, check_provenance=False)
         if loss.shape[0] == 0:
             return {} if per_parameter else torch.zeros(0, dtype=torch.float32, device=loss.device)
         measured = self._measure(loss, forward, self._norms_only.keeps)
@@ -220,15 +215,14 @@ class DPEngine:
             return {param.name: norm.norm_sq.sqrt().float() for param, norm in measured.norms}
         return measured.clip_norms_sq.sum(0).sqrt().float()
 
-    def _take_forward(self, loss: Tensor, check_provenance: bool) -> tuple[Tensor, Forward]:
-        """The checked loss and what its forward recorded."""
+    def _take_forward(self, loss: Tensor, check_provenance: bool) -> tuple[Tensor, Forward, FlashDPError | None]:
+        """The checked loss, what its forward recorded, and a refusal of the gradients it would add to (below)."""
         recorder = self._attachment.recorder_if_attached()
         self._timer.forward_ended()
         self._trainable.check_unchanged()
         loss = guards.check_loss(loss)
-        if check_provenance:
-            gradients = self._adapter.accumulated_gradients(self._known.plan.params)
-            self._attachment.provenance.check_before_backward(gradients)
+        gradients = self._adapter.accumulated_gradients(self._known.plan.params) if check_provenance else []
+        refusal = self._attachment.provenance.refusal_before_backward(gradients, self._adapter.dp_group is not None)
         forward = recorder.take()
         if not forward.calls:
             clipped = id(loss.grad_fn) == self._last_loss_node
@@ -237,16 +231,22 @@ class DPEngine:
         if not self._norm_group_checked:
             check_same_samples(loss, self.norm_group)
             self._norm_group_checked = True
-        return loss, forward
+        return loss, forward, refusal
 
-    def _measure(self, loss: Tensor, forward: Forward, keeps: Keeps, users: UserGroups | None = None) -> Measurement:
+    def _measure(
+        self,
+        loss: Tensor,
+        forward: Forward,
+        keeps: Keeps,
+        users: UserGroups | None = None,
+        refusal: FlashDPError | None = None,
+    ) -> Measurement:
         """The checked per-sample norms (`measurement.measure`), no `.grad` written meanwhile; what the backward
-        learnt is committed only if it succeeds, but a forward's own checks of its modules' rules (on values of
-        their own) are evidence of their own, kept either way."""
+        learnt is committed only if it succeeds (a forward's own checks of its rules are kept either way)."""
         self._commit(self._known.with_plan(forward.plan))
         index, self._backward_calls = self._backward_calls, self._backward_calls + 1
         with self._attachment.grad_writes.refusing():
-            measured, known = measure(self._parts, self._known, loss, forward.calls, index, keeps, users)
+            measured, known = measure(self._parts, self._known, loss, forward.calls, index, keeps, users, refusal)
         self._commit(known)
         return measured
 
@@ -472,3 +472,11 @@ def make_private(
         accountant=accountant,
     )
     return DPEngine(model, settings, privacy, optimizer=optimizer, norm_group=norm_group)
+
+
+def _backward_empty_on_one_rank_error(world_size: int) -> FlashDPError:
+    return FlashDPError(
+        f"engine.backward_empty() on one rank of {world_size}: every rank must run the same forward and backward "
+        "passes (their collectives must match). Run the forward on the empty batch and engine.backward(loss) on "
+        "its empty loss."
+    )

@@ -18,6 +18,7 @@ class TestFSDP1(AdapterSuite):
 
 class TestFSDP1OrigParams(AdapterSuite):
     wrapper = "fsdp1-orig"
+    foreign_grad_writes_survive = False
 
 
 def test_noise_once_per_coordinate_with_the_right_std():
@@ -58,3 +59,19 @@ def test_shard_grad_op_is_refused_naming_what_to_use(use_orig_params):
     update), or was refused as if parameters had been replaced."""
     for error in run(workloads.rank_with_shard_grad_op, use_orig_params):
         assert "SHARD_GRAD_OP" in error and "Use FULL_SHARD, or FSDP2" in error, error
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_frozen_parameter_in_a_unit_over_steps_of_several_micro_batches_equals_one_process(mode):
+    """FSDP1's forward zeroes, in place, the part of the flat gradient that belongs to a frozen parameter (its
+    original .grad is None): flashdp took that for a foreign change, on the one rank whose shard holds that part,
+    and the other rank hung in the next collective."""
+    micros = (2, 2, 4)
+    ranks = run(workloads.rank_steps_in_micro_batches, "fsdp1-orig", mode, micros, True)
+    assert not any("error" in rank for rank in ranks), [rank.get("error") for rank in ranks]
+    expected_norms, expected_params = workloads.single_process_micro_steps(mode, len(micros), frozen=True)
+    for step, expected in enumerate(expected_norms):
+        torch.testing.assert_close(torch.cat([rank["norms"][step] for rank in ranks]), expected, rtol=1e-5, atol=1e-6)
+    for rank in ranks:
+        for got, expected in zip(rank["params"], expected_params, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

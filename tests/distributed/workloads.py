@@ -326,11 +326,20 @@ def micro_step_batches(steps: int) -> list[torch.Tensor]:
     return [torch.roll(global_batch(), step, dims=0) for step in range(steps)]
 
 
-def rank_steps_in_micro_batches(rank: int, wrapper: str, mode: str, micros: tuple[int, ...]) -> dict:
+def _maybe_frozen(model: nn.Module, frozen: bool) -> nn.Module:
+    """With `frozen`, the middle Linear's bias frozen: a frozen parameter in a unit of trainable ones."""
+    if frozen:
+        model[2].bias.requires_grad_(False)
+    return model
+
+
+def rank_steps_in_micro_batches(
+    rank: int, wrapper: str, mode: str, micros: tuple[int, ...], frozen: bool = False
+) -> dict:
     """Steps of one engine, step s in micro-batches of `micros[s]` rows of the rank's 4: gradients accumulate
     across micro-batches and are cleared by each step."""
     batches = [ids[rank * 4 : rank * 4 + 4] for ids in micro_step_batches(len(micros))]
-    wrapped = wrap(build_model(), wrapper)
+    wrapped = wrap(_maybe_frozen(build_model(), frozen), wrapper)
     try:
         norms = _train_steps(wrapped, mode, batches, micros)
     except flashdp.FlashDPError as error:
@@ -338,9 +347,11 @@ def rank_steps_in_micro_batches(rank: int, wrapper: str, mode: str, micros: tupl
     return {"norms": norms, "params": full_params(wrapped)}
 
 
-def single_process_micro_steps(mode: str, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def single_process_micro_steps(
+    mode: str, steps: int, frozen: bool = False
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """rank_steps_in_micro_batches' steps on one process, each global batch in one backward."""
-    model = build_model()
+    model = _maybe_frozen(build_model(), frozen)
     norms = _train_steps(model, mode, micro_step_batches(steps))
     return norms, [p.detach().clone() for p in model.parameters()]
 
@@ -422,3 +433,30 @@ def rank_with_shard_grad_op(rank: int, use_orig_params: bool) -> str:
     except flashdp.FlashDPError as error:
         return str(error)
     return "no error"
+
+
+def rank_with_a_foreign_grad_write(rank: int, wrapper: str, mode: str) -> dict:
+    """Between two micro-batches, rank 1 alone writes into a trainable parameter's .grad: what each rank's second
+    backward says (every rank must raise: one rank raising alone left the others in the next collective), or the
+    parameters after the step where nothing was refused."""
+    wrapped = wrap(build_model(), wrapper)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    engine = flashdp.make_private(
+        wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=0.0, optimizer=optimizer,
+        expected_batch_size=BATCH, sample_rate=0.1,
+    )  # fmt: skip
+    first, second = global_batch()[rank * 4 : rank * 4 + 4].split(2)
+    engine.backward(per_sample_loss(wrapped, first))
+    if rank == 1:
+        param = next(p for p in wrapped.parameters() if p.requires_grad)
+        with torch.no_grad():
+            if param.grad is None:
+                param.grad = torch.ones_like(param)
+            else:
+                param.grad.add_(1.0)
+    try:
+        engine.backward(per_sample_loss(wrapped, second))
+    except flashdp.FlashDPError as error:
+        return {"error": str(error)}
+    engine.step()
+    return {"params": full_params(wrapped)}

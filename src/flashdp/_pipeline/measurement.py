@@ -22,7 +22,15 @@ from flashdp._pipeline.clipped_sums import Keeps, Norms
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
 from flashdp._pipeline.grad_writes import GradWrites
 from flashdp._pipeline.knowledge import Knowledge
-from flashdp._pipeline.layout import Ambiguous, ambiguous, ambiguous_error, dims_of, shapes_of, structure
+from flashdp._pipeline.layout import (
+    Ambiguous,
+    ambiguous,
+    ambiguous_error,
+    another_rank_refused,
+    dims_of,
+    shapes_of,
+    structure,
+)
 from flashdp._pipeline.learning import Found
 from flashdp._pipeline.loss_graph import LossGraph
 from flashdp._pipeline.norm_pass import stream_output_gradients
@@ -116,11 +124,13 @@ def measure(
     index: int,
     keeps: Keeps,
     users: UserGroups | None = None,
+    refusal: FlashDPError | None = None,
 ) -> tuple[Measurement, Knowledge]:
     """The checked norms of backward number `index` of the forward that recorded `calls` (handed over: emptied as
     the norm pass releases them), and what the engine knows after it. Runs the coverage walk (on every backward:
     `learning.uncovered`), verification on a forward structure not yet verified or newly covered, the self-check
-    when due, and every rank's agreement on them. With `users`, the norms are those of each user's rows together.
+    when due, and every rank's agreement on them, and on `refusal` (this rank's, raised on every rank). With
+    `users`, the norms are those of each user's rows together.
 
     The checks' passes hold the graph and nothing a norm pass keeps for the sums: bk's norm pass, which keeps
     them and frees the graph as it goes, runs after the checks as on any step (a norm pass that keeps the graph
@@ -150,7 +160,7 @@ def measure(
     unverifiable = _unverifiable(
         known, graph, calls, shapes, routed, new_structure and not parts.adapter.allows_second_pass
     )
-    verify, checking = _agreed(parts, graph, verify, checking, unverifiable)
+    verify, checking = _agreed(parts, graph, verify, checking, unverifiable, refusal)
     verified = _Verified(known, True, routed, None)
     if verify:
         verified, checking = _verify(parts, known, graph, calls, checking, routed, keeps)
@@ -167,13 +177,20 @@ def measure(
 
 
 def _agreed(
-    parts: Parts, graph: LossGraph, verify: bool, checking: bool, unverifiable: tuple[list[Ambiguous], list]
+    parts: Parts,
+    graph: LossGraph,
+    verify: bool,
+    checking: bool,
+    unverifiable: tuple[list[Ambiguous], list],
+    refusal: FlashDPError | None,
 ) -> tuple[bool, bool]:
     """Whether to verify and to self-check, as any rank decides (one agreement); refused on every rank where
-    any rank has a structure it cannot verify (`_unverifiable`)."""
+    any rank has a structure it cannot verify (`_unverifiable`) or a refusal of its own."""
     unclear, moved = unverifiable
-    flags = parts.on_any_rank([verify, checking, bool(unclear), bool(moved)], graph.loss.device)
-    verify, checking, refuse, refuse_moved = map(bool, flags)
+    flags = [verify, checking, bool(unclear), bool(moved), refusal is not None]
+    verify, checking, refuse, refuse_moved, refused = map(bool, parts.on_any_rank(flags, graph.loss.device))
+    if refused:
+        raise refusal or another_rank_refused()
     if refuse:
         raise ambiguous_error(unclear)
     if refuse_moved:

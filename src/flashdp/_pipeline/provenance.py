@@ -47,21 +47,29 @@ class GradientProvenance:
             _hook_every_optimizer_step()
             weakref.finalize(guarded, _GUARDS.pop, self._key, None)  # (a model collected without detach: unwatched)
 
-    def check_before_backward(self, gradients: Gradients) -> None:
+    def refusal_before_backward(self, gradients: Gradients, collective: bool) -> FlashDPError | None:
+        """Why engine.backward must not add to these gradients (raised here), or None. `collective` (DDP, FSDP):
+        returned instead, for every rank to raise together at the ranks' agreement of the backward (one rank
+        raising alone would leave the others waiting in their next collective)."""
+        refusal = self._refusal(gradients)
+        if refusal is not None and not collective:
+            raise refusal
+        return refusal
+
+    def _refusal(self, gradients: Gradients) -> FlashDPError | None:
         foreign = self._foreign(gradients)
         if foreign and self._fingerprints is None:
-            raise FlashDPError(
+            return FlashDPError(
                 f"Parameters {quoted_names(foreign)} already have a gradient that engine.backward did not produce "
                 "(left from a plain loss.backward(), or from before make_private). It would be noised and stepped as "
                 "if it were private. Clear it first: optimizer.zero_grad() or model.zero_grad()."
             )
-        if foreign:
-            self._refuse_changed(foreign, "engine.backward")
+        return _changed_error(foreign, "engine.backward") if foreign else None
 
     def check_before_step(self, gradients: Gradients) -> None:
         foreign = self._foreign(gradients)
         if foreign:
-            self._refuse_changed(foreign, "engine.step")
+            raise _changed_error(foreign, "engine.step")
 
     def record(self, gradients: Gradients) -> None:
         """After engine.backward: the gradients as it left them."""
@@ -85,16 +93,10 @@ class GradientProvenance:
         """Non-zero gradients not as engine.backward left them."""
         known = self._fingerprints or {}
         return [
-            name for name, g in gradients if g is not None and not _same(known.get(name), g) and bool(g.detach().any())
+            name
+            for name, g in gradients
+            if g is not None and not _same(known.get(name), g) and bool(_local(g).detach().any())
         ]
-
-    def _refuse_changed(self, names: list[str], where: str) -> None:
-        raise FlashDPError(
-            f"The gradients of {quoted_names(names)} changed between engine.backward and {where}: a plain "
-            "loss.backward() or an in-place change (gradient clipping, rescaling). Only engine.backward may produce "
-            "the gradients engine.step noises; post-processing them before the noise breaks the privacy guarantee. "
-            "Remove that call."
-        )
 
     def _refuse_foreign_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         model = self._guarded() if self._guarded is not None else None
@@ -126,6 +128,21 @@ def _hook_every_optimizer_step() -> RemovableHandle:
 def _refuse_foreign_steps(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     for guard in list(_GUARDS.values()):  # (a snapshot: a guard may go while this runs)
         guard._refuse_foreign_step(optimizer, args, kwargs)
+
+
+def _changed_error(names: list[str], where: str) -> FlashDPError:
+    return FlashDPError(
+        f"The gradients of {quoted_names(names)} changed between engine.backward and {where}: a plain "
+        "loss.backward() or an in-place change (gradient clipping, rescaling). Only engine.backward may produce "
+        "the gradients engine.step noises; post-processing them before the noise breaks the privacy guarantee. "
+        "Remove that call."
+    )
+
+
+def _local(g: Tensor) -> Tensor:
+    """This rank's part of a gradient (a DTensor's local shard: `any()` on the DTensor would be a collective)."""
+    to_local = getattr(g, "to_local", None)
+    return g if to_local is None else to_local()
 
 
 def _fingerprint(g: Tensor | None) -> tuple[Tensor, int] | None:

@@ -9,8 +9,9 @@ contiguous slices. flashdp reads that layout from FSDP1 internals unchanged sinc
 - one backward only: FSDP1 removes its gradient hooks in the callback that ends a backward, so a second
   backward over the same forward would not reduce-scatter. ghost and flash therefore take their clipped sums
   from what the norm pass recorded, as bk does; the result is the same.
-- clipped sums: once the unit's last trainable parameter has arrived, laid out in a buffer the size of the
-  unit's unsharded flat parameter and reduce-scattered (SUM) into the sharded flat gradient: one unit at a time.
+- clipped sums: laid out in a buffer the size of the unit's unsharded flat parameter and reduce-scattered (SUM)
+  into flashdp's own sharded gradient (`_Unit.grad`): one unit at a time, every unit on every backward (see
+  ShardedAdapter). step() makes it the flat parameter's .grad.
 - noise: each rank adds it to its shard of every flat parameter, from its own generator.
 - limit: FSDP1 reshards a unit in the hook that follows its gradient accumulation, which the norm pass never
   reaches, so units gathered for the norm pass stay gathered until that pass ends (FSDP2 has no such limit).
@@ -47,8 +48,10 @@ class _Unit:
     trainable: set[int]  # indices of the original parameters that require grad
     #: makes a tensor `[shard numel]` the flat parameter's .grad, as FSDP1's post-backward would (see `_exposer`)
     expose: Callable[[Tensor], None]
-    #: [shard numel] this step's reduced clipped sums. The flat parameter's .grad is set to it after every
-    #: backward, but FSDP1's forward and backward hooks may move or drop that .grad in between: this is the truth.
+    #: [shard numel] this step's reduced clipped sums, made the flat parameter's .grad by `step()` only: between
+    #: backwards the flat parameter (and the original parameters) hold no .grad, so that FSDP1's forward finds
+    #: nothing to write back (with use_orig_params it zeroes, in place, the part of a .grad that belongs to a frozen
+    #: parameter) and its pre-backward nothing to save for its post-backward, which flashdp's norm pass never runs
     grad: Tensor | None = None
 
 
@@ -123,7 +126,6 @@ class FSDP1Adapter(ShardedAdapter):
         shard = buffer.new_empty(unit.shard_numel)
         self.reduce_scatter(shard, buffer)
         unit.grad = shard.to(unit.flat_param.dtype) if unit.grad is None else unit.grad.add_(shard.to(unit.grad.dtype))
-        self._expose(unit)
 
     def _expose(self, unit: _Unit) -> None:
         """Make the accumulated shard the flat parameter's .grad (with use_orig_params=True the optimizer reads
@@ -134,12 +136,15 @@ class FSDP1Adapter(ShardedAdapter):
         return [unit.flat_param for unit in self.layout.units if unit.trainable]
 
     def accumulated_gradients(self, params: list[TrainableParam]) -> list[tuple[str, Tensor | None]]:
-        """Per unit, the accumulated shard (FSDP1's hooks may move the flat parameter's .grad in between)."""
-        return [
-            (f"FSDP1 flat parameter {u}", unit.grad if unit.grad is not None else unit.flat_param.grad)
+        """Per unit, the accumulated shard, and the flat parameter's .grad; with use_orig_params the original
+        parameters' .grad: those are None between backwards unless someone else wrote them."""
+        units = [
+            (f"FSDP1 flat parameter {u}{part}", grad)
             for u, unit in enumerate(self.layout.units)
             if unit.trainable
+            for part, grad in (("", unit.grad), (" (.grad)", unit.flat_param.grad))
         ]
+        return units + ([(p.name, p.param.grad) for p in params] if self.layout.use_orig_params else [])
 
     def reduce_gradients(self, params: list[Tensor]) -> None:
         for unit in self.layout.units:  # the sums are reduced already; step() made zeros where no backward reached

@@ -92,3 +92,8 @@ class FSDP2Adapter(ShardedAdapter):
 
     def local_grad(self, param: Tensor) -> Tensor:
         return param.grad.to_local()
+
+    def accumulated_gradients(self, params: list[TrainableParam]) -> list[tuple[str, Tensor | None]]:
+        """The DTensor gradients themselves: an in-place change to one (`p.grad.add_`, `clip_grad_norm_`) bumps
+        its version, not its local tensor's (DTensor runs the local op below the version counting)."""
+        return [(p.name, p.param.grad) for p in params]

@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flashdp
-from benchmarks.gpu.step import build_model
+from benchmarks.gpu.step import add_model_arguments, build_model
 
 
 def one_step(model: torch.nn.Module, mode: str, ids: torch.Tensor):
@@ -71,10 +71,7 @@ def report(model: torch.nn.Module, mode: str, ids: torch.Tensor, rows: int) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--d", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_arguments(parser)
     parser.add_argument("--shape", default="1024x16", help="T x B")
     parser.add_argument("--modes", nargs="+", default=["non-private", "bk"])
     parser.add_argument("--rows", type=int, default=25, help="kernels listed per mode")

@@ -166,12 +166,17 @@ def _shape(text: str) -> tuple[int, int]:
     return int(t), int(b)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The Llama-shaped model's options (`build_model`) and its device."""
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--d", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=32000)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser)
     parser.add_argument("--shapes", type=_shape, nargs="+", default=[(2048, 8), (1024, 16), (4096, 4), (8192, 2)])
     parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument("--steps", type=int, default=5)

@@ -58,12 +58,7 @@ class AdapterSuite:
             assert "Another rank refused" in ranks[1]["error"]
             return
         expected_norms, expected_params = workloads.single_process_steps(mode)
-        for step, expected in enumerate(expected_norms):
-            got = torch.cat([rank["norms"][step] for rank in ranks])
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m, s=step: f"step {s}: {m}")
-        for rank in ranks:
-            for got, expected in zip(rank["params"], expected_params, strict=True):
-                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        assert_steps_of_one_process(ranks, expected_norms, expected_params)
 
     @pytest.mark.parametrize("mode", ["bk", "ghost"])
     @pytest.mark.parametrize("micros", [(2, 4), (2, 2, 4, 2)], ids=["two-then-one", "two-two-one-two"])
@@ -74,12 +69,7 @@ class AdapterSuite:
         ranks = run(workloads.rank_steps_in_micro_batches, self.wrapper, mode, micros)
         assert not any("error" in rank for rank in ranks), [rank.get("error") for rank in ranks]
         expected_norms, expected_params = workloads.single_process_micro_steps(mode, len(micros))
-        for step, expected in enumerate(expected_norms):
-            got = torch.cat([rank["norms"][step] for rank in ranks])
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m, s=step: f"step {s}: {m}")
-        for rank in ranks:
-            for got, expected in zip(rank["params"], expected_params, strict=True):
-                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        assert_steps_of_one_process(ranks, expected_norms, expected_params)
 
     #: whether a .grad written between micro-batches survives to the next backward (FSDP1 with use_orig_params
     #: points the original parameters' .grad at its flat gradient in every forward, None between flashdp's
@@ -174,3 +164,13 @@ def check_shards_draw_independent_noise(wrapper: str) -> None:
     n = min(len(first), len(second))
     # equal generators leave only rounding between the two (1e-6 of the noise); independent ones differ by O(1)
     assert (first[:n] - second[:n]).abs().max() > 0.1 * first.abs().max()
+
+
+def assert_steps_of_one_process(ranks: list[dict], expected_norms: list, expected_params: list) -> None:
+    """Every step's norms (the ranks' rows concatenated) and every rank's final parameters equal one process's."""
+    for step, expected in enumerate(expected_norms):
+        got = torch.cat([rank["norms"][step] for rank in ranks])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m, s=step: f"step {s}: {m}")
+    for rank in ranks:
+        for got, expected in zip(rank["params"], expected_params, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

@@ -141,9 +141,11 @@ class NoisyStep:
                 "engine.step() called with no engine.backward() since the last step: each step must follow at "
                 "least one backward (for an empty Poisson batch, engine.backward_empty())."
             )
-        self._provenance.check_before_step(self._adapter.accumulated_gradients(self._params))
-        if self._adapter.dp_group is not None:
-            check_global_batch(self.expected_batch_size, self._samples_since_step, self._adapter.dp_group)
+        group = self._adapter.dp_group
+        gradients = self._adapter.accumulated_gradients(self._params)
+        refusal = self._provenance.refusal_before_step(gradients, collective=group is not None)
+        if group is not None:
+            check_global_batch(self.expected_batch_size, self._samples_since_step, group, refusal)
 
     def _add_noise(self, params: list[Tensor]) -> None:
         """`(sum + N(0, sigma^2 C^2 I)) / expected_batch_size`, each coordinate noised once over the ranks."""

@@ -71,22 +71,17 @@ class AdapterSuite:
         expected_norms, expected_params = workloads.single_process_micro_steps(mode, len(micros))
         assert_steps_of_one_process(ranks, expected_norms, expected_params)
 
-    #: whether a .grad written between micro-batches survives to the next backward (FSDP1 with use_orig_params
-    #: points the original parameters' .grad at its flat gradient in every forward, None between flashdp's
-    #: backwards: the write is dropped, and the step is the one without it)
-    foreign_grad_writes_survive = True
-
     @pytest.mark.parametrize("mode", ["bk", "ghost"])
     def test_a_gradient_changed_on_one_rank_is_refused_on_every_rank(self, mode):
         first, second = run(workloads.rank_with_a_foreign_grad_write, self.wrapper, mode)
-        if not self.foreign_grad_writes_survive:
-            _, expected_params = workloads.single_process(mode)
-            for rank in (first, second):
-                for got, expected in zip(rank["params"], expected_params, strict=True):
-                    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-            return
         assert "Another rank refused" in first["error"], first
         assert "changed between engine.backward and engine.backward" in second["error"], second
+
+    @pytest.mark.parametrize("mode", ["bk", "ghost"])
+    def test_a_gradient_changed_on_one_rank_before_the_step_is_refused_on_every_rank(self, mode):
+        first, second = run(workloads.rank_with_a_foreign_grad_write, self.wrapper, mode, True)
+        assert "Another rank refused this step" in first["error"], first
+        assert "changed between engine.backward and engine.step" in second["error"], second
 
     def test_a_layer_reached_on_one_rank_only_equals_one_process(self):
         """Rank 1's batch never calls a layer of a unit rank 0's calls (an expert no token was routed to): every

@@ -19,7 +19,6 @@ class TestFSDP1(AdapterSuite):
 
 class TestFSDP1OrigParams(AdapterSuite):
     wrapper = "fsdp1-orig"
-    foreign_grad_writes_survive = False
 
 
 def test_noise_once_per_coordinate_with_the_right_std():

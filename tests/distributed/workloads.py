@@ -435,10 +435,11 @@ def rank_with_shard_grad_op(rank: int, use_orig_params: bool) -> str:
     return "no error"
 
 
-def rank_with_a_foreign_grad_write(rank: int, wrapper: str, mode: str) -> dict:
-    """Between two micro-batches, rank 1 alone writes into a trainable parameter's .grad: what each rank's second
-    backward says (every rank must raise: one rank raising alone left the others in the next collective), or the
-    parameters after the step where nothing was refused."""
+def rank_with_a_foreign_grad_write(rank: int, wrapper: str, mode: str, before_step: bool = False) -> dict:
+    """Between two micro-batches (`before_step`: after the first, before engine.step), rank 1 alone writes into a
+    trainable parameter's .grad: what each rank's second backward (step) says (every rank must raise: one rank
+    raising alone left the others in the next collective), or the parameters after the step where nothing was
+    refused."""
     wrapped = wrap(build_model(), wrapper)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     engine = flashdp.make_private(
@@ -447,16 +448,17 @@ def rank_with_a_foreign_grad_write(rank: int, wrapper: str, mode: str) -> dict:
     )  # fmt: skip
     first, second = global_batch()[rank * 4 : rank * 4 + 4].split(2)
     engine.backward(per_sample_loss(wrapped, first))
-    if rank == 1:
-        param = next(p for p in wrapped.parameters() if p.requires_grad)
+    if rank == 1:  # (a parameter with a part on this rank: FSDP1's original parameters may hold none of it)
+        param = next(p for p in wrapped.parameters() if p.requires_grad and p.numel())
         with torch.no_grad():
             if param.grad is None:
                 param.grad = torch.ones_like(param)
             else:
                 param.grad.add_(1.0)
     try:
-        engine.backward(per_sample_loss(wrapped, second))
+        if not before_step:
+            engine.backward(per_sample_loss(wrapped, second))
+        engine.step()
     except flashdp.FlashDPError as error:
         return {"error": str(error)}
-    engine.step()
     return {"params": full_params(wrapped)}

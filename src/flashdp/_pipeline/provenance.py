@@ -66,10 +66,14 @@ class GradientProvenance:
             )
         return _changed_error(foreign, "engine.backward") if foreign else None
 
-    def check_before_step(self, gradients: Gradients) -> None:
+    def refusal_before_step(self, gradients: Gradients, collective: bool) -> FlashDPError | None:
+        """Why engine.step must not noise these gradients (raised here), or None; `collective`: returned instead,
+        as `refusal_before_backward`."""
         foreign = self._foreign(gradients)
-        if foreign:
-            raise _changed_error(foreign, "engine.step")
+        refusal = _changed_error(foreign, "engine.step") if foreign else None
+        if refusal is not None and not collective:
+            raise refusal
+        return refusal
 
     def record(self, gradients: Gradients) -> None:
         """After engine.backward: the gradients as it left them."""

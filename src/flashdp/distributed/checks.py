@@ -45,11 +45,20 @@ def check_same_samples(loss: Tensor, norm_group: dist.ProcessGroup) -> None:
     )
 
 
-def check_global_batch(expected_batch_size: int, local_samples: int, group: dist.ProcessGroup) -> None:
-    """The samples of one step, summed over the data-parallel ranks, against `expected_batch_size`."""
-    total = for_backend(torch.tensor([local_samples], dtype=torch.float64, device="cpu"), group)
+def check_global_batch(
+    expected_batch_size: int, local_samples: int, group: dist.ProcessGroup, refusal: FlashDPError | None = None
+) -> None:
+    """The samples of one step, summed over the data-parallel ranks, against `expected_batch_size`; and this rank's
+    `refusal` of the step, raised on every rank (in the same all-reduce: one rank raising alone would leave the
+    others waiting in it)."""
+    total = for_backend(torch.tensor([local_samples, refusal is not None], dtype=torch.float64, device="cpu"), group)
     dist.all_reduce(total, group=group)
-    samples, mean = int(total.item()), float(expected_batch_size)
+    summed, refused = total.tolist()
+    if refused:
+        raise refusal or FlashDPError(
+            "Another rank refused this step (its error names the cause); every rank stops together."
+        )
+    samples, mean = int(summed), float(expected_batch_size)
     # Chernoff bound on a Poisson(mean) batch: P(X >= n) <= exp(-mean) (e mean / n)^n for n > mean
     if samples > mean and -mean + samples * (1 + math.log(mean / samples)) < math.log(IMPLAUSIBLE):
         world = dist.get_world_size(group)

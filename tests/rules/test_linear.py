@@ -52,3 +52,22 @@ def test_linear_followed_by_inplace_relu_matches_oracle():
     x = torch.randn(4, 3, 5, dtype=torch.float64)
     for mode in ("bk", "ghost"):
         check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 4, mode=mode)
+
+
+class _WithAnEmptyLinear(nn.Module):
+    """A Linear with no outputs beside real ones (its output is [B, ..., 0])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.empty, self.b = nn.Linear(4, 3), nn.Linear(4, 0), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.b(self.a(x)) + self.empty(x).sum(-1, keepdim=True)
+
+
+@given(batch=batches, lead=st.lists(st.integers(1, 3), max_size=2), mode=modes)
+def test_a_linear_of_no_outputs_matches_oracle(batch, lead, mode):
+    """2-D and 4-D inputs too: its positions are counted, not inferred from its (no) elements."""
+    model = _WithAnEmptyLinear().double()
+    x = torch.randn(batch, *lead, 4, dtype=torch.float64)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode)

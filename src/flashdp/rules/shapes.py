@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor
 
 from flashdp.errors import FlashDPError
@@ -15,7 +17,10 @@ def positions(x: Tensor, what: str) -> Tensor:
             f"Wrong shape: expected the {what} batched as [B, ..., features]. Received a {x.dim()}-dim tensor of "
             f"shape {tuple(x.shape)}. Call the layer with a leading batch dimension."
         )
-    return x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
+    if x.dim() == 3:
+        return x
+    # (the positions counted, not -1: a layer of no features has no elements to infer them from)
+    return x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
 
 
 def sum_over_positions(x: Tensor, param_dims: int) -> Tensor:

@@ -9,6 +9,7 @@ pass keeps for them. Three ways, one object each:
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -53,14 +54,13 @@ class BookKeeping:
             rows = coef.unbind()  # (one op for every group's row, and one cast per dtype: not per parameter)
             broadcast = coef.stride(0) == 0  # one row for every group (flat clipping): cast once
             cast_rows: dict[tuple[int, torch.dtype], Tensor] = {}
+            row_of: dict[Hashable, Tensor] = {}  # each parameter's coefficients, cast to its plan's dtype
             ordered = sorted(norms, key=lambda pair: self._adapter.accumulation_order(pair[0]))
             for param, norm in ordered:
                 key = (0 if broadcast else param.clip_group, norm.plan.dtype)
                 if key not in cast_rows:
                     cast_rows[key] = cast(rows[key[0]], key[1])
-            row_of = {
-                param.key: cast_rows[(0 if broadcast else param.clip_group, norm.plan.dtype)] for param, norm in ordered
-            }
+                row_of[param.key] = cast_rows[key]
             summed = _small_rows_summed(ordered, row_of)
             for param, norm in ordered:
                 clipped_sum = summed.pop(param.key, None)
@@ -74,7 +74,7 @@ class BookKeeping:
 SMALL_ROWS = 1 << 16
 
 
-def _small_rows_summed(norms: Norms, row_of: dict) -> dict:
+def _small_rows_summed(norms: Norms, row_of: dict[Hashable, Tensor]) -> dict[Hashable, Tensor]:
     """The clipped sums of the parameters whose plans are small per-sample rows alone (biases, normalisation
     weights), by parameter key: the rows of those sharing a coefficient row and dtype concatenated and summed by one
     product (one per parameter, each a few torch ops, made a step of many small layers host-bound)."""

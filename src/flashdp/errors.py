@@ -8,6 +8,11 @@ class FlashDPError(ValueError):
     """
 
 
+def another_rank_refused(what: str = "backward") -> FlashDPError:
+    """The error of a rank whose `what` ("backward", "step") another data-parallel rank refused: every rank raises."""
+    return FlashDPError(f"Another rank refused this {what} (its error names the cause); every rank stops together.")
+
+
 class FlashDPWarning(UserWarning):
     """Warned when training runs but something undermines the privacy guarantee reported (e.g. batches that do not
     look Poisson-sampled while epsilon assumes they are)."""

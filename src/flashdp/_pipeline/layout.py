@@ -12,7 +12,7 @@ from torch import nn
 from flashdp._pipeline.norm_pass import batch_dims
 from flashdp._pipeline.plan import GradientPlan
 from flashdp._pipeline.recorder import Call
-from flashdp.errors import FlashDPError
+from flashdp.errors import FlashDPError, another_rank_refused
 from flashdp.per_sample import OutputMeta
 
 
@@ -101,10 +101,6 @@ def ambiguous(plan: GradientPlan, shapes: list[CallShape], batch: int) -> list[A
         if len(dims) > 1:
             found.append((plan.site(shapes[out.call].module).label, shape, sorted(dims)))
     return found
-
-
-def another_rank_refused() -> FlashDPError:
-    return FlashDPError("Another rank refused this backward (its error names the cause); every rank stops together.")
 
 
 def ambiguous_error(found: list[Ambiguous]) -> FlashDPError:

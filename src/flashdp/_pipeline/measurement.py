@@ -26,7 +26,6 @@ from flashdp._pipeline.layout import (
     Ambiguous,
     ambiguous,
     ambiguous_error,
-    another_rank_refused,
     dims_of,
     shapes_of,
     structure,
@@ -44,7 +43,7 @@ from flashdp._pipeline.users import UserGroups
 from flashdp._pipeline.verifying import Verifying, receiver, refusal
 from flashdp.distributed import Adapter
 from flashdp.distributed.checks import highest_on_any_rank
-from flashdp.errors import FlashDPError
+from flashdp.errors import FlashDPError, another_rank_refused
 from flashdp.kernels import backend as kernels_backend
 from flashdp.per_sample import computed_in_tf32
 from flashdp.rules.recompute import raise_failed

@@ -39,11 +39,11 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import Node
 
-from flashdp._pipeline.layout import another_rank_refused, lacks_batch, outputs
+from flashdp._pipeline.layout import lacks_batch, outputs
 from flashdp._pipeline.loss_graph import LossGraph
 from flashdp._pipeline.plan import GradientPlan
 from flashdp._pipeline.recorder import Call
-from flashdp.errors import FlashDPError
+from flashdp.errors import FlashDPError, another_rank_refused
 
 #: autograd nodes of ops that move elements to other positions by index values (from the data, possibly), with
 #: the saved attributes holding those values

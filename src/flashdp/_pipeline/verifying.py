@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from flashdp._pipeline import self_check
 from flashdp._pipeline.collector import NormCollector
-from flashdp._pipeline.layout import another_rank_refused
 from flashdp._pipeline.plan import GradientPlan
 from flashdp._pipeline.recorder import Call
+from flashdp.errors import another_rank_refused
 
 
 @dataclass

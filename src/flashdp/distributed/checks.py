@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashdp.errors import FlashDPError
+from flashdp.errors import FlashDPError, another_rank_refused
 
 #: a global batch less likely than this under Poisson sampling with the declared mean is called a mistake
 IMPLAUSIBLE = 1e-9
@@ -55,9 +55,7 @@ def check_global_batch(
     dist.all_reduce(total, group=group)
     summed, refused = total.tolist()
     if refused:
-        raise refusal or FlashDPError(
-            "Another rank refused this step (its error names the cause); every rank stops together."
-        )
+        raise refusal or another_rank_refused("step")
     samples, mean = int(summed), float(expected_batch_size)
     # Chernoff bound on a Poisson(mean) batch: P(X >= n) <= exp(-mean) (e mean / n)^n for n > mean
     if samples > mean and -mean + samples * (1 + math.log(mean / samples)) < math.log(IMPLAUSIBLE):

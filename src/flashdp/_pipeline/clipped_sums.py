@@ -88,7 +88,7 @@ def _small_rows_summed(norms: Norms, row_of: dict[Hashable, Tensor]) -> dict[Has
         if len(batch) < 2:
             continue
         coef = row_of[batch[0][0].key]
-        flat = torch.cat([_as_rows(plan.rows_alone, plan.shape.numel()) for _, plan in batch], dim=1)
+        flat = torch.cat([plan.rows_alone for _, plan in batch], dim=1)
         parts = weighted_rows(coef, flat).split([plan.shape.numel() for _, plan in batch])
         views = [
             part if len(plan.shape) == 1 else part.view(plan.shape)
@@ -99,11 +99,6 @@ def _small_rows_summed(norms: Norms, row_of: dict[Hashable, Tensor]) -> dict[Has
         owned = torch._foreach_mul(views, 1.0)
         summed.update((param.key, sum_) for (param, _), sum_ in zip(batch, owned, strict=True))
     return summed
-
-
-def _as_rows(per_sample: Tensor, numel: int) -> Tensor:
-    """`[B, numel]` (B may be 0; a reshape only where needed: each is an op, and this runs per parameter)."""
-    return per_sample if per_sample.dim() == 2 else per_sample.reshape(len(per_sample), numel)
 
 
 class SecondBackward:

@@ -44,11 +44,16 @@ class ClippedSumPlan:
     weighted: tuple[DeferredOuterGrad, ...] = ()
 
     @property
+    def rows(self) -> Tensor | None:
+        """The kept per-sample gradients as rows `[B, numel]` (B may be 0; a reshape only where needed: each is an
+        op, and this runs per parameter)."""
+        rows = self.per_sample
+        return rows if rows is None or rows.dim() == 2 else rows.reshape(len(rows), self.shape.numel())
+
+    @property
     def rows_alone(self) -> Tensor | None:
-        """The per-sample rows `[B, ...]` where they are the whole plan (no factors, tokens or layer sums)."""
-        if self.factors is None and self.tokens is None and not self.weighted:
-            return self.per_sample
-        return None
+        """`rows` where they are the whole plan (no factors, tokens or layer sums)."""
+        return self.rows if self.factors is None and self.tokens is None and not self.weighted else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -65,8 +70,7 @@ class ClippedSumPlan:
         """`sum_b coef_b g_b`, shaped like the parameter. coef: `[B]`."""
         parts = []
         if self.per_sample is not None:
-            rows = self.per_sample
-            rows = rows if rows.dim() == 2 else rows.reshape(len(coef), self.shape.numel())
+            rows = self.rows
             # 16-bit rows (kept bf16, `_kept_in_bfloat16`) never meet a coefficient rounded to 16 bits, which could
             # scale a sample's gradient past C
             parts.append(weighted_rows(cast(coef, accumulation_dtype(rows)), rows))

@@ -51,10 +51,7 @@ class GradientProvenance:
         """Why engine.backward must not add to these gradients (raised here), or None. `collective` (DDP, FSDP):
         returned instead, for every rank to raise together at the ranks' agreement of the backward (one rank
         raising alone would leave the others waiting in their next collective)."""
-        refusal = self._refusal(gradients)
-        if refusal is not None and not collective:
-            raise refusal
-        return refusal
+        return _raised_unless(collective, self._refusal(gradients))
 
     def _refusal(self, gradients: Gradients) -> FlashDPError | None:
         foreign = self._foreign(gradients)
@@ -70,10 +67,7 @@ class GradientProvenance:
         """Why engine.step must not noise these gradients (raised here), or None; `collective`: returned instead,
         as `refusal_before_backward`."""
         foreign = self._foreign(gradients)
-        refusal = _changed_error(foreign, "engine.step") if foreign else None
-        if refusal is not None and not collective:
-            raise refusal
-        return refusal
+        return _raised_unless(collective, _changed_error(foreign, "engine.step") if foreign else None)
 
     def record(self, gradients: Gradients) -> None:
         """After engine.backward: the gradients as it left them."""
@@ -132,6 +126,13 @@ def _hook_every_optimizer_step() -> RemovableHandle:
 def _refuse_foreign_steps(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     for guard in list(_GUARDS.values()):  # (a snapshot: a guard may go while this runs)
         guard._refuse_foreign_step(optimizer, args, kwargs)
+
+
+def _raised_unless(collective: bool, refusal: FlashDPError | None) -> FlashDPError | None:
+    """`refusal`, raised here unless every rank raises it together (`collective`); None passes."""
+    if refusal is not None and not collective:
+        raise refusal
+    return refusal
 
 
 def _changed_error(names: list[str], where: str) -> FlashDPError:

@@ -127,11 +127,6 @@ class FSDP1Adapter(ShardedAdapter):
         self.reduce_scatter(shard, buffer)
         unit.grad = shard.to(unit.flat_param.dtype) if unit.grad is None else unit.grad.add_(shard.to(unit.grad.dtype))
 
-    def _expose(self, unit: _Unit) -> None:
-        """Make the accumulated shard the flat parameter's .grad (with use_orig_params=True the optimizer reads
-        the original parameters' .grad, views into it)."""
-        unit.expose(unit.grad)
-
     def gradient_holders(self, params: list[TrainableParam]) -> list[Tensor]:
         return [unit.flat_param for unit in self.layout.units if unit.trainable]
 
@@ -151,7 +146,7 @@ class FSDP1Adapter(ShardedAdapter):
             if unit.trainable:
                 if unit.grad is None:
                     unit.grad = unit.flat_param.grad
-                self._expose(unit)
+                unit.expose(unit.grad)  # (with use_orig_params the original parameters' .grad: views into it)
 
     def zero_grad(self) -> None:
         for unit in self.layout.units:

@@ -391,3 +391,80 @@ def test_a_layer_mixing_samples_read_only_after_the_verified_step_is_refused_the
         model.zero_grad()
         with pytest.raises(FlashDPError, match=r"not separable by sample|Self-check failed"):
             engine.backward(_aux_loss(model, (x, True)))
+
+
+class ChangesOnSomeSteps(nn.Module):
+    """Two Linears and, on steps whose flag is set, `change` applied around the second one: the same layers called,
+    their outputs of the same sizes, only the ops between them differ."""
+
+    def __init__(self, change: str) -> None:
+        super().__init__()
+        self.a, self.b, self.change = nn.Linear(4, 5), nn.Linear(5, 3), change
+
+    def forward(self, x, changed: bool):  # x [B, T, 4]
+        h = self.a(x).tanh()
+        if not changed:
+            return self.b(h)
+        if self.change == "flip":  # rows reversed around the second layer: each still one sample's
+            return self.b(h.flip(0)).flip(0)
+        return self.b(h.transpose(0, 1)).transpose(0, 1)  # time-major, with T == B: a time step is not a sample
+
+
+def _changes_loss(model, batch):
+    x, changed = batch
+    return model(x, changed).square().flatten(1).sum(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("change", ["flip", "time-major"])
+@pytest.mark.parametrize("first", [False, True], ids=["changed-later", "changed-first"])
+def test_ops_between_layers_changed_on_a_later_step_are_verified_then(change, first, mode):
+    """(Both were trusted: the step had the layers and sizes of a verified one, and its rows were taken as the
+    verified step's; 0.15-0.35 off the oracle.) The graph's ops are part of what a layout rests on."""
+    torch.manual_seed(0)
+    model = ChangesOnSomeSteps(change).double()
+    flags = [first, first, not first, not first]
+    batches = [(torch.randn(b, b, 4, dtype=torch.float64), f) for b, f in zip((3, 2, 3, 2), flags, strict=True)]
+    check_steps(model, batches, _changes_loss, lambda b, i: (b[0][i : i + 1], b[1]), [3, 2, 3, 2], mode=mode)
+
+
+class Positions(nn.Module):
+    """Position embeddings looked up with per-sample ids `[B, T]`, or (`shared`) with `arange(T)`, `[T, d]`,
+    broadcast over the batch (GPT-2 without position ids)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.positions, self.head = nn.Embedding(7, 4), nn.Embedding(8, 4), nn.Linear(4, 3)
+
+    def forward(self, ids, shared: bool):
+        t = ids.shape[1]
+        positions = torch.arange(t) if shared else torch.arange(t).expand(ids.shape[0], t)
+        return self.head(torch.tanh(self.tokens(ids) + self.positions(positions)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_output_shared_across_the_batch_from_a_later_step_is_verified_then(mode):
+    """(Its `[T, d]` output with T == B, or T = 2B, fitted the batch by size like the verified steps' `[B, T, d]`:
+    its rows were taken as samples, 0.03-0.2 off the oracle.) An output's number of dims is part of the layout."""
+    torch.manual_seed(0)
+    model = Positions().double()
+    shapes = [(3, 3, False), (2, 2, False), (3, 3, True), (2, 4, True)]
+    batches = [(torch.randint(0, 7, (b, t)), shared) for b, t, shared in shapes]
+    check_steps(model, batches, _changes_loss, lambda b, i: (b[0][i : i + 1], b[1]), [3, 2, 3, 2], mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("loss", ["reversed", "minus-batch-mean"])
+def test_a_loss_that_stops_being_per_sample_on_a_later_step_is_refused(loss, mode):
+    """(Both went through, refused only on the first step: a reversed loss let ghost scale sample i's gradient by
+    another sample's coefficient, a contribution of 17 C.) The loss's ops are part of what was verified."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    with flashdp.make_private(model, mode=mode, max_grad_norm=0.1, noise_multiplier=0.0) as engine:
+        for _ in range(2):
+            engine.backward(model(torch.randn(3, 4, dtype=torch.float64)).square().sum(1))
+            model.zero_grad()
+        per_sample = model(torch.randn(3, 4, dtype=torch.float64)).square().sum(1)
+        changed = per_sample.flip(0) if loss == "reversed" else per_sample - per_sample.mean()
+        with pytest.raises(FlashDPError, match="not separable by sample"):
+            engine.backward(changed)
+        assert all(p.grad is None for p in model.parameters())

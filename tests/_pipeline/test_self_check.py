@@ -144,16 +144,17 @@ def test_a_wrong_norm_is_caught():
 
 
 class SometimesMixing(nn.Module):
-    """Correct until `mix` is set: a data-dependent bug the self-check meets only when it runs."""
+    """Correct until `mix` is set to 1: a bug in values alone (the same ops on every step, so the same verified
+    structure), which the self-check meets only when it runs."""
 
     def __init__(self):
         super().__init__()
         self.inner, self.out = nn.Linear(3, 3), nn.Linear(3, 2)
-        self.mix = False
+        self.mix = 0.0
 
     def forward(self, x):
         h = self.inner(x)
-        return self.out((h - h.mean(0) if self.mix else h).tanh())
+        return self.out((h - self.mix * h.mean(0)).tanh())
 
 
 def test_the_self_check_runs_first_then_every_interval():
@@ -161,7 +162,7 @@ def test_the_self_check_runs_first_then_every_interval():
     x = torch.randn(4, 3)
     with _engine(model, self_check=3) as engine:
         engine.backward(per_sample_loss(model(x)))  # call 0: checked, correct
-        model.mix = True
+        model.mix = 1.0
         for _ in range(2):  # calls 1 and 2 are not checked: the bug goes through (the documented trade-off)
             model.zero_grad()
             engine.backward(per_sample_loss(model(x)))

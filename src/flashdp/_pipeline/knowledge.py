@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 from flashdp._pipeline import routing
 from flashdp._pipeline.plan import GradientPlan
 
-#: what a verified forward structure rests on (`layout.structure`): the modules called and, per output of a rule
-#: site's call, whether its size at the batch dim is a multiple of B
+#: what a verified forward structure rests on (`measurement._structure`): the modules called, per output of a rule
+#: site's call its number of dims and whether its size at the batch dim is a multiple of B, and the graph's ops
 Structure = tuple[Hashable, ...]
 
 

@@ -13,6 +13,8 @@ from flashdp._pipeline.users import UserGroups
 
 #: node -> the nodes that consume it, with the `next_functions` slot they consume it at
 Parents = dict[Node, list[tuple[Node, int]]]
+#: `LossGraph.operations`: the number of nodes, and a hash of their ops and wiring
+Operations = tuple[int, int]
 
 
 class LossGraph:
@@ -30,22 +32,45 @@ class LossGraph:
         """How many units are clipped: the rows of the loss, or its users."""
         return self.loss.shape[0] if self.users is None else self.users.count
 
-    @functools.cached_property
+    @property
     def parents(self) -> Parents:
         """Every node reachable from the loss, with the nodes that consume it (the loss's own node has none)."""
-        out: Parents = {}
-        seen: set[Node] = set()
-        pending = [self.loss.grad_fn] if self.loss.grad_fn is not None else []
+        return self._index[0]
+
+    @property
+    def operations(self) -> Operations:
+        """The graph's operations and their wiring, comparable across backwards: the number of nodes and a hash of,
+        per node in an order fixed by the graph's shape, its type (the op, e.g. `FlipBackward0`, or a custom
+        Function's) and, per input slot, the number of the node it reads (and which of that node's outputs), or
+        None. Equal for two graphs that compute the same ops in the same arrangement, whatever the sizes and values;
+        different where an op is added, removed or rewired (a flip of the rows, a transpose to time-major, a loss
+        that subtracts the batch mean), but for a 64-bit hash collision. Kept as a hash: a model whose graph differs
+        on every step keeps one per verified structure."""
+        return self._index[1]
+
+    @functools.cached_property
+    def _index(self) -> tuple[Parents, Operations]:
+        """One walk from the loss's node: each node numbered when first met, so the numbering, and so
+        `operations`, depends only on the graph's shape."""
+        parents: Parents = {}
+        operations: list[tuple[type, tuple[tuple[int, int] | None, ...]]] = []
+        root = self.loss.grad_fn
+        number: dict[Node, int] = {root: 0} if root is not None else {}
+        pending = list(number)
         while pending:
             node = pending.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            for slot, (child, _) in enumerate(node.next_functions):
-                if child is not None:
-                    out.setdefault(child, []).append((node, slot))
+            inputs: list[tuple[int, int] | None] = []
+            for slot, (child, output_nr) in enumerate(node.next_functions):
+                if child is None:
+                    inputs.append(None)
+                    continue
+                parents.setdefault(child, []).append((node, slot))
+                if child not in number:
+                    number[child] = len(number)
                     pending.append(child)
-        return out
+                inputs.append((number[child], output_nr))
+            operations.append((type(node), tuple(inputs)))
+        return parents, (len(operations), hash(tuple(operations)))
 
     def reaches_loss(self, edge: GradientEdge) -> bool:
         """Whether something above the loss's own node consumes the edge's node."""

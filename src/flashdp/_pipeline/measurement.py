@@ -147,7 +147,7 @@ def measure(
     if checking:
         known = known.self_checked(index)
     routed = routing.of(graph, known.plan, calls, known.shared_sites) if batch > 1 else routing.NONE
-    new_structure = not known.trusts(_structure(known.plan, shapes, users, batch), routed)
+    new_structure = not known.trusts(_structure(known.plan, shapes, graph), routed)
     new_structure = new_structure or (not checking and learning.uncovered(known, graph, calls, parts.registered))
     if checking or new_structure:
         plan = known.plan
@@ -171,7 +171,7 @@ def measure(
     measurement = _finish(parts, known, graph, done, keeps, unit_gradients)
     # a batch of one decides no layout: every dim fits it, its rows are all its own
     if batch > 1 and verified.decided and (verify or new_structure):
-        known = _verified(known, shapes, users, batch, verified.routed)
+        known = _verified(known, shapes, graph, verified.routed)
     return measurement, known
 
 
@@ -197,17 +197,21 @@ def _agreed(
     return verify, checking
 
 
-def _verified(
-    known: Knowledge, shapes: list, users: UserGroups | None, batch: int, routed: routing.Routing
-) -> Knowledge:
+def _verified(known: Knowledge, shapes: list, graph: LossGraph, routed: routing.Routing) -> Knowledge:
     """This step's structure verified under `routed`, and a batch of one's with it."""
-    return known.verifying(_structure(known.plan, shapes, users, batch), routed, structure(known.plan, shapes, 1))
+    return known.verifying(_structure(known.plan, shapes, graph), routed, structure(known.plan, shapes, 1))
 
 
-def _structure(plan: GradientPlan, shapes: list, users: UserGroups | None, batch: int) -> tuple:
-    """`layout.structure`, and with users their partition of the rows: the batch-independence check weights by
-    user, so a step whose users group the rows otherwise (a pair across two users) is verified again."""
+def _structure(plan: GradientPlan, shapes: list, graph: LossGraph) -> tuple:
+    """`layout.structure`, the graph's operations (`LossGraph.operations`: a verified layout rests on the ops
+    between the layers and the loss as much as on the layers) and, with users, their partition of the rows (the
+    batch-independence check weights by user, so a step whose users group the rows otherwise is verified again).
+    A batch of one: the layers alone (`layout.structure`)."""
+    batch, users = graph.loss.shape[0], graph.users
     layout = structure(plan, shapes, batch)
+    if batch < 2:
+        return layout
+    layout = (*layout, ("operations", graph.operations))
     return layout if users is None or not users.partition else (*layout, ("users", users.partition))
 
 

@@ -2,11 +2,11 @@
 a verified layout rests on (`Routing`).
 
 The verifying pass (verifying.py) finds every layer's rows per-sample on one batch, and a forward structure
-(`layout.structure`: the modules called and their sizes) is trusted on later steps. Sizes do not fix whose rows are
-whose when an op moves elements by index values computed from the data: a batch sorted by a key before a layer and
-put back in order after it, tokens routed to experts, `pack_padded_sequence` sorting by length. Such an op moves the
-rows differently on every batch, and on the verified batch it may have moved none (a batch already in sorted order:
-the identity), so the verification says nothing of the next batch's order.
+(the modules called, their sizes and the graph's ops: `measurement._structure`) is trusted on later steps. The ops
+do not fix whose rows are whose when an op moves elements by index values computed from the data: a batch sorted by
+a key before a layer and put back in order after it, tokens routed to experts, `pack_padded_sequence` sorting by
+length. Such an op moves the rows differently on every batch, and on the verified batch it may have moved none (a
+batch already in sorted order: the identity), so the verification says nothing of the next batch's order.
 
 So a structure is verified under its `Routing`: the nodes that autograd runs from the loss down to the rule sites'
 outputs and that move elements by index (`MOVES`), in graph order, with the shapes of their index values and

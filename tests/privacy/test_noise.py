@@ -35,3 +35,30 @@ def test_the_shared_draw_is_what_is_added():
     NoiseSource(seed=0, kind="seeded").add_to(tensors, std=1.0, share=lambda n: torch.arange(len(n)).float())
     assert torch.equal(tensors[0], torch.arange(6).float().view(3, 2))
     assert torch.equal(tensors[1], torch.arange(6, 11).float())
+
+
+def _draw_in_lanes(source, threads, monkeypatch):
+    monkeypatch.setattr(noise_module, "LANE_ELEMENTS", 64)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    return source.gaussian(torch.Size([1000, 3]), 2.0, torch.device("cpu"), torch.float32)
+
+
+def test_a_large_cpu_draw_in_lanes_is_the_same_on_any_number_of_threads(monkeypatch):
+    """Drawn in `CPU_LANES` parts, each from its own generator: the same values whether the parts run on one thread
+    or several, every coordinate its own draw of the right std."""
+    alone = _draw_in_lanes(NoiseSource(seed=3, kind="seeded"), 1, monkeypatch)
+    threaded = _draw_in_lanes(NoiseSource(seed=3, kind="seeded"), 4, monkeypatch)
+    assert torch.equal(alone, threaded)
+    assert abs(alone.std().item() / 2.0 - 1) < 0.05
+    lanes = alone.view(-1).tensor_split(noise_module.CPU_LANES)
+    firsts = [lane[:50] for lane in lanes]  # (lanes seeded alike would start alike)
+    assert all(not torch.equal(a, b) for i, a in enumerate(firsts) for b in firsts[i + 1 :])
+
+
+def test_a_seeded_source_drawing_in_lanes_resumes_its_stream(monkeypatch):
+    source = NoiseSource(seed=5, kind="seeded")
+    _draw_in_lanes(source, 2, monkeypatch)
+    resumed = NoiseSource(seed=5, kind="seeded")
+    resumed.load_state_dict(source.state_dict())
+    assert len(source.state_dict()["generators"]) == noise_module.CPU_LANES
+    assert torch.equal(_draw_in_lanes(source, 2, monkeypatch), _draw_in_lanes(resumed, 2, monkeypatch))

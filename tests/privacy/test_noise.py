@@ -1,5 +1,8 @@
 """NoiseSource.add_to: one draw per bucket of tensors of one device and dtype, each coordinate its own N(0, std^2)."""
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -62,3 +65,21 @@ def test_a_seeded_source_drawing_in_lanes_resumes_its_stream(monkeypatch):
     resumed.load_state_dict(source.state_dict())
     assert len(source.state_dict()["generators"]) == noise_module.CPU_LANES
     assert torch.equal(_draw_in_lanes(source, 2, monkeypatch), _draw_in_lanes(resumed, 2, monkeypatch))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_draws_in_lanes_with_threads_of_its_own(monkeypatch):
+    """(A pool made before a fork has no threads in the child: a draw there would wait forever.)"""
+    _draw_in_lanes(NoiseSource(seed=1, kind="seeded"), 4, monkeypatch)  # the parent's pool exists
+    pid = os.fork()
+    if pid == 0:  # the child: exits 0 once its draw is done
+        _draw_in_lanes(NoiseSource(seed=1, kind="seeded"), 4, monkeypatch)
+        os._exit(0)
+    for _ in range(200):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    pytest.fail("the forked child's draw did not finish in 10 s")

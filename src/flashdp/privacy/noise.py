@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
@@ -127,6 +128,15 @@ LANE_ELEMENTS = 1 << 18
 #: separates a device from a lane in a generator's key (`"cpu#2"`): lane 0 is the device's own key
 _LANE = "#"
 _threads: ThreadPoolExecutor | None = None
+
+
+def _forget_threads() -> None:
+    """In a forked child: the parent's pool threads do not exist there (its pool would wait on them forever)."""
+    global _threads
+    _threads = None
+
+
+os.register_at_fork(after_in_child=_forget_threads)
 
 
 def _in_parallel(draws: list[Callable[[], object]]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
@@ -48,8 +48,17 @@ class LossGraph:
         on every step keeps one per verified structure."""
         return self._index[1]
 
+    def places(self, edges: Iterable[tuple[GradientEdge, ...]]) -> tuple[tuple[tuple[int, int] | None, ...], ...]:
+        """Where each group of edges (a recorded call's outputs, or inputs) sits in the graph: each edge's node's
+        number in `operations` (and its output), None off the graph. With `operations`, it tells which layer sits
+        where: two layers of one type whose places are swapped give the same ops, not the same places."""
+        number = self._index[2]
+        return tuple(
+            tuple((number[e.node], e.output_nr) if e.node in number else None for e in group) for group in edges
+        )
+
     @functools.cached_property
-    def _index(self) -> tuple[Parents, Operations]:
+    def _index(self) -> tuple[Parents, Operations, dict[Node, int]]:
         """One walk from the loss's node: each node numbered when first met, so the numbering, and so
         `operations`, depends only on the graph's shape."""
         parents: Parents = {}
@@ -70,7 +79,7 @@ class LossGraph:
                     pending.append(child)
                 inputs.append((number[child], output_nr))
             operations.append((type(node), tuple(inputs)))
-        return parents, (len(operations), hash(tuple(operations)))
+        return parents, (len(operations), hash(tuple(operations))), number
 
     def reaches_loss(self, edge: GradientEdge) -> bool:
         """Whether something above the loss's own node consumes the edge's node."""

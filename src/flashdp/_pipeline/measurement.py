@@ -142,12 +142,12 @@ def measure(
     # checkpointed region, its inputs and output's node would keep each pass's recomputation). One whose output was
     # modified in place is kept: the norm pass refuses it, its gradient hidden.
     calls[:] = [c for c in calls if any(graph.reads(edge) for edge in c.edges) or c.modified_in_place()]
-    shapes = shapes_of(calls)
+    shapes, placed = shapes_of(calls), graph.places(e for c in calls for e in (c.edges, c.input_edges))
     checking = known.self_check.due(index)
     if checking:
         known = known.self_checked(index)
     routed = routing.of(graph, known.plan, calls, known.shared_sites) if batch > 1 else routing.NONE
-    new_structure = not known.trusts(_structure(known.plan, shapes, graph), routed)
+    new_structure = not known.trusts(_structure(known.plan, shapes, graph, placed), routed)
     new_structure = new_structure or (not checking and learning.uncovered(known, graph, calls, parts.registered))
     if checking or new_structure:
         plan = known.plan
@@ -171,7 +171,7 @@ def measure(
     measurement = _finish(parts, known, graph, done, keeps, unit_gradients)
     # a batch of one decides no layout: every dim fits it, its rows are all its own
     if batch > 1 and verified.decided and (verify or new_structure):
-        known = _verified(known, shapes, graph, verified.routed)
+        known = _verified(known, shapes, graph, placed, verified.routed)
     return measurement, known
 
 
@@ -197,21 +197,22 @@ def _agreed(
     return verify, checking
 
 
-def _verified(known: Knowledge, shapes: list, graph: LossGraph, routed: routing.Routing) -> Knowledge:
+def _verified(known: Knowledge, shapes: list, graph: LossGraph, placed: tuple, routed: routing.Routing) -> Knowledge:
     """This step's structure verified under `routed`, and a batch of one's with it."""
-    return known.verifying(_structure(known.plan, shapes, graph), routed, structure(known.plan, shapes, 1))
+    plain = structure(known.plan, shapes, 1)
+    return known.verifying(_structure(known.plan, shapes, graph, placed), routed, plain)
 
 
-def _structure(plan: GradientPlan, shapes: list, graph: LossGraph) -> tuple:
-    """`layout.structure`, the graph's operations (`LossGraph.operations`: a verified layout rests on the ops
-    between the layers and the loss as much as on the layers) and, with users, their partition of the rows (the
-    batch-independence check weights by user, so a step whose users group the rows otherwise is verified again).
-    A batch of one: the layers alone (`layout.structure`)."""
+def _structure(plan: GradientPlan, shapes: list, graph: LossGraph, placed: tuple) -> tuple:
+    """`layout.structure`, the graph's operations and where each call's outputs and inputs sit among them
+    (`LossGraph.operations`, `places`: a verified layout rests on the ops between the layers and the loss as much
+    as on the layers) and, with users, their partition of the rows (the batch-independence check weights by user,
+    so a step whose users group the rows otherwise is verified again). A batch of one: the layers alone."""
     batch, users = graph.loss.shape[0], graph.users
     layout = structure(plan, shapes, batch)
     if batch < 2:
         return layout
-    layout = (*layout, ("operations", graph.operations))
+    layout = (*layout, ("operations", graph.operations, placed))
     return layout if users is None or not users.partition else (*layout, ("users", users.partition))
 
 

@@ -156,9 +156,21 @@ def test_positions_picked_by_the_data_within_each_sample_are_exact_and_verified_
     check_steps(model, batches, _sum_loss, _rows, [4, 4, 4, 4], mode=mode)
 
 
-def _verifying_passes(model, batches) -> list[int]:
+@pytest.mark.parametrize("mode", MODES)
+def test_last_tokens_of_batches_of_changing_size_are_verified_once_per_size(mode):
+    """(Each size routes its own way, `arange(B)` in the batch dim, and only the last verified routing was kept: a
+    Poisson-sampled sequence classifier verified on nearly every step.) Every routing verified is kept."""
+    torch.manual_seed(0)
+    model = LastToken().double()
+    sizes = [3, 4, 3, 4, 5, 3]
+    batches = [torch.randn(b, 5, 3, dtype=torch.float64) for b in sizes]
+    assert _verifying_passes(model, batches, mode) == [1, 1, 0, 0, 1, 0]
+    check_steps(model, batches, _sum_loss, _rows, sizes, mode=mode)
+
+
+def _verifying_passes(model, batches, mode: str = "bk") -> list[int]:
     """The verifying passes each backward ran (self-check off: only those for the layout)."""
-    engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None)
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None)
     counted = mock.patch.object(self_check, "batch_independence_failures", wraps=self_check.batch_independence_failures)
     passes = []
     with engine, counted as spy:

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field, replace
 from flashdp._pipeline import routing
 from flashdp._pipeline.plan import GradientPlan
 
+#: verified routings kept per structure (each a few index tensors of about the batch's size)
+ROUTINGS_KEPT = 64
+
 #: what a verified forward structure rests on (`measurement._structure`): the modules called, per output of a rule
 #: site's call its number of dims and whether its size at the batch dim is a multiple of B, and the graph's ops
 Structure = tuple[Hashable, ...]
@@ -49,12 +52,13 @@ class Knowledge:
     #: forward structures covered under this plan and verified on a batch of more than one (or, under a wrapper
     #: that cannot verify, whose sizes decided the layout alone); a batch of one verifies nothing
     verified: frozenset[Structure] = field(default_factory=frozenset)
-    #: the routing each verified structure of a batch of more than one was verified under, where it moves rows
+    #: the routings each verified structure of a batch of more than one was verified under, where it moves rows
     #: (`routing.Routing`: the ops moving elements by index between the rule sites' outputs and the loss, and their
-    #: index values); a step of that structure routing otherwise is not trusted. Sizes alone do not say whose rows
-    #: are whose where the data moves them (a batch sorted by a key inside the forward: the verified batch may have
-    #: been in order)
-    routings: Mapping[Structure, routing.Routing] = field(default_factory=dict)
+    #: index values), the latest `ROUTINGS_KEPT`; a step of that structure routing otherwise is not trusted. Sizes
+    #: alone do not say whose rows are whose where the data moves them (a batch sorted by a key inside the forward:
+    #: the verified batch may have been in order). Several: a sequence classifier's `logits[arange(B), last]`
+    #: routes a batch of each size its own way, and Poisson batches change size on almost every step
+    routings: Mapping[Structure, tuple[routing.Routing, ...]] = field(default_factory=dict)
     #: when the self-check runs; a backward that fails does not count as having run it
     self_check: SelfCheckSchedule = SelfCheckSchedule(None)
 
@@ -76,14 +80,14 @@ class Knowledge:
     def trusts(self, structure: Structure, routed: routing.Routing) -> bool:
         """Whether a step of `structure` routed as `routed` was verified (a batch of one's structure: whatever its
         routing, every row is its one sample's)."""
-        return structure in self.verified and self.routings.get(structure, routing.NONE).same(routed)
+        return structure in self.verified and any(r.same(routed) for r in self.routings.get(structure, (routing.NONE,)))
 
     def verifying(self, structure: Structure, routed: routing.Routing, *alike: Structure) -> Knowledge:
         """`structure` verified under `routed` (kept: the model may change its index tensors in place), and `alike`
         (a batch of one's structure) with it."""
         routings = dict(self.routings)
         if routed.moves:
-            routings[structure] = routed.kept()
+            routings[structure] = (*routings.get(structure, ()), routed.kept())[-ROUTINGS_KEPT:]
         else:
             routings.pop(structure, None)
         return replace(self, verified=self.verified | {structure, *alike}, routings=routings)

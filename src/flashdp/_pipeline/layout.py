@@ -59,9 +59,8 @@ def structure(plan: GradientPlan, shapes: list[CallShape], batch: int) -> tuple:
     number of dims and whether its size at the batch dim is a multiple of B (a batch, or B * k rows) or not (shared
     across the batch, or mis-shaped). A step whose sizes fall the other way, or whose output has other dims (a
     position embedding of `[T]` ids, `[T, d]`, where `[B, T]` ids gave `[B, T, d]`), is a new structure, verified
-    again. For a batch of one (or
-    none) only the modules: every layout gives its one sample all rows, so only what covers each parameter's uses
-    matters, and it is known once these modules were verified on a larger batch."""
+    again. For a batch of one (or none) only the modules: every layout gives its one sample all rows, so only what
+    covers each parameter's uses matters, and it is known once these modules were verified on a larger batch."""
     if batch < 2:
         return tuple(id(call.module) for call in shapes)
     return tuple(_call_layout(plan, call, batch) for call in shapes)

@@ -136,11 +136,13 @@ def _forget_threads() -> None:
     _threads = None
 
 
-os.register_at_fork(after_in_child=_forget_threads)
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_forget_threads)
 
 
 def _in_parallel(draws: list[Callable[[], object]]) -> None:
-    """Run `draws` on up to `torch.get_num_threads()` threads (torch's ops release the GIL), the first here."""
+    """Run `draws` together, the first on this thread, the others on the pool's (torch's ops release the GIL); one
+    after the other where torch was told to use one thread (`torch.set_num_threads(1)`)."""
     global _threads
     if torch.get_num_threads() < 2:
         for draw in draws:

@@ -81,6 +81,52 @@ def single_process_with_a_branch(mode: str) -> tuple[torch.Tensor, list[torch.Te
     return norms, [p.detach().clone() for p in model.parameters()]
 
 
+class WeightOutside(nn.Module):
+    """build_model's layers, with the middle Linear's weight also used outside it (`F.linear`, in this root's
+    forward) where `outside` is set: flashdp then counts that weight with the root's generic rule, whose site comes
+    first (another plan, learnt by the ranks whose batch takes that path)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding, self.norm = nn.Embedding(12, 6), nn.LayerNorm(6)
+        self.middle, self.head = nn.Linear(6, 10), nn.Linear(10, 11)
+        self.outside = False
+
+    def forward(self, ids):
+        h = self.norm(self.embedding(ids))
+        middle = self.middle(h)
+        if self.outside:
+            middle = middle + 0.5 * nn.functional.linear(h, self.middle.weight)
+        return self.head(middle.tanh())
+
+
+def rank_with_another_plan(rank: int, wrapper: str, mode: str, noise: float) -> dict:
+    """Rank 1's batch uses the middle Linear's weight outside it, rank 0's does not: the ranks' plans differ."""
+    model = WeightOutside()
+    model.outside = rank == 1
+    wrapped = wrap(model, wrapper)
+    norms = train(model, wrapped, global_batch()[rank * 4 : rank * 4 + 4], mode, noise, micro=BATCH, seed=3)
+    return {"norms": norms, "params": full_params(wrapped)}
+
+
+def single_process_with_another_plan(mode: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One process, one step: rank 0's rows without the outside use, then rank 1's with it."""
+    model = WeightOutside()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    engine = flashdp.make_private(
+        model, mode=mode, max_grad_norm=0.05, noise_multiplier=0.0, optimizer=optimizer, expected_batch_size=BATCH,
+        sample_rate=0.1,
+    )  # fmt: skip
+    norms = []
+    for rank, rows in enumerate(global_batch().split(4)):
+        model.outside = rank == 1
+        norms.append(engine.backward(per_sample_loss(model, rows)))
+    engine.step()
+    engine.detach()
+    return torch.cat(norms), [p.detach().clone() for p in model.parameters()]
+
+
 def build_cnn() -> nn.Module:
     """Convolutions at the indices `wrap` shards, each with a direct norm at 7 x 7 images (dense per-sample
     gradients from one grouped convolution, built from the layer's settings, not from its sharded weight)."""

@@ -243,7 +243,21 @@ def _finish(
     for site, clip_group in zip(rule_sites, clip_group_of_site, strict=True):
         clip_group_names[clip_group] = clip_group_names[clip_group] or site.path
     param_of = {where: params[key] for where, key in key_of.items()}
-    return GradientPlan(sites, list(params.values()), clip_group_names, param_of, views, modules, learnt)
+    return GradientPlan(
+        sites, _in_model_order(params, views, modules), clip_group_names, param_of, views, modules, learnt
+    )
+
+
+def _in_model_order(params: dict[Hashable, TrainableParam], views: dict, modules: list[Site]) -> list[TrainableParam]:
+    """The parameters in the model's own order (its modules', then each module's registration order), whatever
+    sites count them: the same on every rank of a data-parallel group, where one flat all-reduce and one noise
+    draw cover them in this order, although a rank may have learnt another plan (a parameter moved to an enclosing
+    generic rule, which comes first among the sites)."""
+    position: dict[Hashable, int] = {}
+    for site in modules:
+        for view in views[id(site.module)].values():
+            position.setdefault(view.key, len(position))
+    return sorted(params.values(), key=lambda param: position[param.key])
 
 
 def _refuse_sample_mixing(model: nn.Module) -> None:

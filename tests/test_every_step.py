@@ -495,3 +495,17 @@ def test_two_layers_swapping_places_in_the_same_ops_are_verified_then(mode):
     model = FlipsOneOfTwo().double()
     batches = [(torch.randn(4, 4, dtype=torch.float64), flip_c) for flip_c in (False, False, True, True, False)]
     check_steps(model, batches, _changes_loss, lambda b, i: (b[0][i : i + 1], b[1]), [4] * 5, mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_structure_verified_before_a_layer_was_learnt_time_major_is_verified_again(mode):
+    """Batch-first with T != B (verified, the layer's batch in dim 0), then time-major with T == B (its batch
+    learnt in dim 1), then batch-first with T == B: the same ops and sizes as the first step, but the layer now
+    read in dim 1. (Trusted as the first step: 47% off the oracle.) The dim a layer's batch is read in is part of
+    the structure."""
+    torch.manual_seed(0)
+    model = ChangesOnSomeSteps("time-major").double()
+    shapes = [(3, 2, False), (3, 3, True), (3, 3, False), (3, 3, True), (2, 2, False)]
+    batches = [(torch.randn(b, t, 4, dtype=torch.float64), changed) for b, t, changed in shapes]
+    sizes = [b for b, _, _ in shapes]
+    check_steps(model, batches, _changes_loss, lambda b, i: (b[0][i : i + 1], b[1]), sizes, mode=mode)

@@ -56,22 +56,24 @@ def outputs(plan: GradientPlan, calls: Sequence[Call | CallShape]) -> Iterator[O
 
 def structure(plan: GradientPlan, shapes: list[CallShape], batch: int) -> tuple:
     """What a verified layout rests on: the modules called, in order, and for each output of a rule site's call its
-    number of dims and whether its size at the batch dim is a multiple of B (a batch, or B * k rows) or not (shared
-    across the batch, or mis-shaped). A step whose sizes fall the other way, or whose output has other dims (a
-    position embedding of `[T]` ids, `[T, d]`, where `[B, T]` ids gave `[B, T, d]`), is a new structure, verified
-    again. For a batch of one (or none) only the modules: every layout gives its one sample all rows, so only what
-    covers each parameter's uses matters, and it is known once these modules were verified on a larger batch."""
+    number of dims, the dim its rule reads the batch in, and whether its size there is a multiple of B (a batch, or
+    B * k rows) or not (shared across the batch, or mis-shaped). A step whose sizes fall the other way, whose output
+    has other dims (a position embedding of `[T]` ids, `[T, d]`, where `[B, T]` ids gave `[B, T, d]`), or whose
+    layer has since been learnt time-major (a structure verified with its batch in dim 0 says nothing of dim 1) is
+    a new structure, verified again. For a batch of one (or none) only the modules: every layout gives its one
+    sample all rows, so only what covers each parameter's uses matters, and it is known once these modules were
+    verified on a larger batch."""
     if batch < 2:
         return tuple(id(call.module) for call in shapes)
     return tuple(_call_layout(plan, call, batch) for call in shapes)
 
 
-def _call_layout(plan: GradientPlan, call: CallShape, batch: int) -> tuple[int, tuple[tuple[int, bool], ...]]:
+def _call_layout(plan: GradientPlan, call: CallShape, batch: int) -> tuple[int, tuple[tuple[int, int, bool], ...]]:
     if plan.site(call.module).match is None:  # a scope: only encloses rule sites
         return id(call.module), ()
     dims = dims_of(plan, call)
     return id(call.module), tuple(
-        (len(m.shape), lacks_batch(m.shape, d, batch)) for m, d in zip(call.output_meta, dims, strict=True)
+        (len(m.shape), d, lacks_batch(m.shape, d, batch)) for m, d in zip(call.output_meta, dims, strict=True)
     )
 
 

@@ -37,3 +37,13 @@ def test_fsdp2_mixed_precision_matches_fp32_to_bf16_accuracy(mode):
             update, expected_update = got - start.detach(), expected - start.detach()
             scale = expected_update.abs().max()
             torch.testing.assert_close(update, expected_update, rtol=0, atol=0.03 * scale.item())
+
+
+def test_a_coverage_refused_on_one_rank_is_refused_on_every_rank():
+    """Rank 1 learns a layer time-major, then finds it batch-first again: the layer would move to an enclosing
+    generic rule, which FSDP cannot run; that rank refused alone and the other waited in the next collective until
+    the process died (or for ever)."""
+    first, second = run(workloads.rank_relearning_a_layout, "fsdp2", "bk")
+    assert first[0] == second[0] == "ok"
+    assert "Under FSDP, flashdp counts a parameter used outside its own module" in second[1], second
+    assert "Another rank refused" in first[1], first

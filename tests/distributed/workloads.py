@@ -508,3 +508,40 @@ def rank_with_a_foreign_grad_write(rank: int, wrapper: str, mode: str, before_st
     except flashdp.FlashDPError as error:
         return {"error": str(error)}
     return {"params": full_params(wrapped)}
+
+
+class SometimesTimeMajor(nn.Module):
+    """A Linear run on `[T, B, d]` (the input transposed, the output transposed back) where `time_major` is set."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer, self.time_major = layer, False
+
+    def forward(self, x):
+        return self.layer(x.transpose(0, 1)).transpose(0, 1) if self.time_major else self.layer(x)
+
+
+def rank_relearning_a_layout(rank: int, wrapper: str, mode: str) -> list[str]:
+    """Rank 1 runs the middle Linear time-major with T == B on the first step (its batch learnt in dim 1), then
+    batch-first: what each step said on each rank ("ok" or the error)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(12, 6), nn.LayerNorm(6), SometimesTimeMajor(nn.Linear(6, 10)), nn.Tanh(), nn.Linear(10, 11)
+    )
+    wrapped = wrap(model, wrapper)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    engine = flashdp.make_private(
+        wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=0.0, optimizer=optimizer, expected_batch_size=BATCH,
+        sample_rate=0.1,
+    )  # fmt: skip
+    said = []
+    for step, size in enumerate([3, 2] if rank == 1 else [2, 2]):
+        model[2].time_major = rank == 1 and step == 0
+        ids = torch.randint(0, 11, (size, 3), generator=torch.Generator().manual_seed(10 * step + rank))
+        try:
+            engine.backward(per_sample_loss(wrapped, ids))
+            engine.step()
+            said.append("ok")
+        except flashdp.FlashDPError as error:
+            said.append(str(error))
+    return said

@@ -151,7 +151,7 @@ def measure(
     new_structure = new_structure or (not checking and learning.uncovered(known, graph, calls, parts.registered))
     if checking or new_structure:
         plan = known.plan
-        known, checking = _cover(parts, known, graph, calls, checking)
+        known, checking, refusal = _cover(parts, known, graph, calls, checking, refusal)
         if known.plan is not plan and batch > 1:  # (other rule sites: the routing above them)
             routed = routing.of(graph, known.plan, calls, known.shared_sites)
     verify = (checking or new_structure) and parts.adapter.allows_second_pass
@@ -230,14 +230,26 @@ def _unverifiable(
 
 
 def _cover(
-    parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], checking: bool
-) -> tuple[Knowledge, bool]:
+    parts: Parts,
+    known: Knowledge,
+    graph: LossGraph,
+    calls: list[Call],
+    checking: bool,
+    refusal: FlashDPError | None = None,
+) -> tuple[Knowledge, bool, FlashDPError | None]:
     """Cover this forward structure (`learning.cover`), and whether this backward runs the per-sample check: a
     plan changed here is checked at once, even with self_check=None (a module that has just become a generic
-    rule site was recorded as a scope, without the outputs its rule's check of the recomputation compares)."""
+    rule site was recorded as a scope, without the outputs its rule's check of the recomputation compares). A
+    refusal of the coverage is raised here on one process; on several it is returned, as `refusal` (this rank's
+    first), for every rank to raise together: the other ranks are on their way to the next agreement."""
     reshards = parts.adapter.reshards_after_forward
-    known, changed = learning.cover(known, graph, calls, parts.registered, reshards)
-    return known, (parts.adapter.allows_second_pass if changed else checking)
+    try:
+        known, changed = learning.cover(known, graph, calls, parts.registered, reshards)
+    except FlashDPError as error:
+        if parts.adapter.world_size == 1:
+            raise
+        return known, checking, refusal or error
+    return known, (parts.adapter.allows_second_pass if changed else checking), refusal
 
 
 def _verify(
@@ -258,8 +270,10 @@ def _verify(
         if isinstance(outcome, _Verified):
             return outcome, checking
         if outcome.cover_again:
-            known, checking = _cover(parts, known, graph, calls, checking)
-            checking = bool(parts.on_any_rank([checking], graph.loss.device)[0])
+            known, checking, refusal = _cover(parts, known, graph, calls, checking)
+            checking, refused = map(bool, parts.on_any_rank([checking, refusal is not None], graph.loss.device))
+            if refused:
+                raise refusal or another_rank_refused()
     raise FlashDPError("flashdp could not settle the layout of this forward's layers; nothing was added to .grad.")
 
 

@@ -83,3 +83,15 @@ def test_a_forked_child_draws_in_lanes_with_threads_of_its_own(monkeypatch):
         time.sleep(0.05)
     os.kill(pid, 9)
     pytest.fail("the forked child's draw did not finish in 10 s")
+
+
+def test_no_noise_generator_draws_the_stream_of_a_seed_near_the_users():
+    """(Seeded `seed + k`, generator k drew the very stream of the Poisson sampler of rank k, seeded `seed + k`:
+    on rank 0 the batch was chosen by the numbers the noise was made of.) Torch's CPU generator keeps a seed's low
+    32 bits, so streams are compared, not seeds."""
+    seed = 1234
+    source = NoiseSource(seed=seed, kind="seeded")
+    firsts = [source._generator(torch.device("cpu"), k).initial_seed() for k in range(noise_module.CPU_LANES)]
+    near = {torch.Generator().manual_seed(seed + r).initial_seed() & 0xFFFFFFFF for r in range(-64, 64)}
+    assert not near & {s & 0xFFFFFFFF for s in firsts}
+    assert len({s & 0xFFFFFFFF for s in firsts}) == len(firsts)

@@ -29,8 +29,8 @@ NOISE_KINDS: tuple[str, ...] = ("seeded", "secret", "secure")
 class NoiseSource:
     """Draws `N(0, std^2)` tensors.
 
-    seed: the seed of torch's generators (Philox/Mersenne), one per device, and on the CPU one per lane
-        (`CPU_LANES`): `seed + k` for the k-th generator made.
+    seed: what torch's generators (Philox/Mersenne) are seeded from, one per device, and on the CPU one per lane
+        (`CPU_LANES`): `generator_seed(seed, k)` for the k-th generator made.
     kind: "seeded" when the user chose the seed (reproducible, NOT private against whoever knows the seed: it is
         kept in checkpoints for a bitwise resume); "secret" when it came from OS entropy (never checkpointed);
         "secure" draws from the OS CSPRNG (`os.urandom`) with the Box-Muller transform in float64 instead (slower,
@@ -71,7 +71,7 @@ class NoiseSource:
         key = str(device) if lane == 0 else f"{device}{_LANE}{lane}"
         if key not in self._generators:
             generator = torch.Generator(device=device)
-            generator.manual_seed(self._seed + len(self._generators))
+            generator.manual_seed(generator_seed(self._seed, len(self._generators)))
             self._generators[key] = generator
         return self._generators[key]
 
@@ -118,6 +118,22 @@ def _describe(state: object) -> str:
 
 
 _HALF = (torch.float16, torch.bfloat16)
+
+_MASK64 = (1 << 64) - 1
+#: the noise's own offset, so that its generators' seeds are not those of other streams seeded from the user's seed
+_NOISE_SALT = 0x6E6F697365  # "noise"
+
+
+def generator_seed(seed: int, k: int) -> int:
+    """The seed of a noise source's k-th generator: SplitMix64 (Steele et al., 2014) of the source's seed, salted,
+    and k, 63 bits. The Poisson sampler seeds from the same user seed (`seed + rank`, then per epoch): seeds of the
+    form `seed + k` made the noise draw from the very stream that chose the batch (torch's CPU generator keeps the
+    seed's low 32 bits, so any two seeds agreeing there are one stream)."""
+    z = (seed + _NOISE_SALT + (k + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
 
 #: a CPU draw of at least `LANE_ELEMENTS` is cut into `CPU_LANES` parts, each drawn from a generator of its own, in
 #: parallel threads: torch's CPU Gaussian sampler runs on one thread (about 5 ns per element on x86-64: 13 ms a step

@@ -113,11 +113,7 @@ def rank_with_another_plan(rank: int, wrapper: str, mode: str, noise: float) -> 
 def single_process_with_another_plan(mode: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One process, one step: rank 0's rows without the outside use, then rank 1's with it."""
     model = WeightOutside()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    engine = flashdp.make_private(
-        model, mode=mode, max_grad_norm=0.05, noise_multiplier=0.0, optimizer=optimizer, expected_batch_size=BATCH,
-        sample_rate=0.1,
-    )  # fmt: skip
+    engine = private(model, mode)
     norms = []
     for rank, rows in enumerate(global_batch().split(4)):
         model.outside = rank == 1
@@ -139,11 +135,7 @@ def build_cnn() -> nn.Module:
 
 def cnn_step(model, wrapped, images, mode) -> tuple[torch.Tensor, dict[str, str]]:
     """One DP step on `images` (no noise): the norms and the engine's strategies."""
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
-    engine = flashdp.make_private(
-        wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=0.0, optimizer=optimizer,
-        expected_batch_size=BATCH, sample_rate=0.1,
-    )  # fmt: skip
+    engine = private(wrapped, mode)
     norms = engine.backward(wrapped(images).square().mean(1))
     engine.step()
     strategies = engine.strategies
@@ -174,11 +166,7 @@ def per_sample_loss(model, ids) -> torch.Tensor:
 def train(model, wrapped, ids, mode, noise, micro, seed=None, group=None, users=None):
     """One DP step on `ids` in micro-batches of `micro` rows (with `users`: user-level clipping, each micro-batch
     split at user boundaries)."""
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
-    engine = flashdp.make_private(
-        wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=noise, optimizer=optimizer,
-        expected_batch_size=BATCH, sample_rate=0.1, seed=seed,
-    )  # fmt: skip
+    engine = private(wrapped, mode, noise=noise, seed=seed)
     if users is None:
         parts = flashdp.micro_batches(ids, micro, group=group)
         norms = torch.cat([engine.backward(per_sample_loss(wrapped, part)) for part in parts])
@@ -188,6 +176,15 @@ def train(model, wrapped, ids, mode, noise, micro, seed=None, group=None, users=
     engine.step()
     engine.detach()
     return norms
+
+
+def private(wrapped: nn.Module, mode: str, noise: float = 0.0, seed: int | None = None) -> flashdp.DPEngine:
+    """The engine every workload trains with: SGD at `LR`, C = 0.05, the global batch's expected size."""
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    return flashdp.make_private(
+        wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=noise, optimizer=optimizer,
+        expected_batch_size=BATCH, sample_rate=0.1, seed=seed,
+    )  # fmt: skip
 
 
 def full_params(wrapped: nn.Module) -> list[torch.Tensor]:
@@ -340,11 +337,7 @@ def _train_steps(
 ) -> list[torch.Tensor]:
     """One engine, one step per batch, step s in micro-batches of `micros[s]` rows (default: the whole batch in
     one): each step's norms."""
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
-    engine = flashdp.make_private(
-        wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=0.0, optimizer=optimizer,
-        expected_batch_size=BATCH, sample_rate=0.1,
-    )  # fmt: skip
+    engine = private(wrapped, mode)
     norms = []
     for ids, micro in zip(batches, micros or [len(ids) for ids in batches], strict=True):
         norms.append(torch.cat([engine.backward(per_sample_loss(wrapped, part)) for part in ids.split(micro)]))
@@ -487,11 +480,7 @@ def rank_with_a_foreign_grad_write(rank: int, wrapper: str, mode: str, before_st
     raising alone left the others in the next collective), or the parameters after the step where nothing was
     refused."""
     wrapped = wrap(build_model(), wrapper)
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
-    engine = flashdp.make_private(
-        wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=0.0, optimizer=optimizer,
-        expected_batch_size=BATCH, sample_rate=0.1,
-    )  # fmt: skip
+    engine = private(wrapped, mode)
     first, second = global_batch()[rank * 4 : rank * 4 + 4].split(2)
     engine.backward(per_sample_loss(wrapped, first))
     if rank == 1:  # (a parameter with a part on this rank: FSDP1's original parameters may hold none of it)
@@ -529,11 +518,7 @@ def rank_relearning_a_layout(rank: int, wrapper: str, mode: str) -> list[str]:
         nn.Embedding(12, 6), nn.LayerNorm(6), SometimesTimeMajor(nn.Linear(6, 10)), nn.Tanh(), nn.Linear(10, 11)
     )
     wrapped = wrap(model, wrapper)
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
-    engine = flashdp.make_private(
-        wrapped, mode=mode, max_grad_norm=0.05, noise_multiplier=0.0, optimizer=optimizer, expected_batch_size=BATCH,
-        sample_rate=0.1,
-    )  # fmt: skip
+    engine = private(wrapped, mode)
     said = []
     for step, size in enumerate([3, 2] if rank == 1 else [2, 2]):
         model[2].time_major = rank == 1 and step == 0

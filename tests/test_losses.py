@@ -35,7 +35,17 @@ def test_per_sample_lm_loss_counts_only_valid_tokens(batch, t, reduction, use_ma
     valid = (labels != -100) & (mask.bool() if use_mask else True)
     got = flashdp.per_sample_lm_loss(logits, labels, attention_mask=mask, reduction=reduction)
     assert got.shape == (batch,)
-    torch.testing.assert_close(got.double(), _reference(logits, labels, valid, reduction), rtol=1e-5, atol=1e-6)
+    assert got.dtype == torch.float64  # (it was computed in float32: a float64 model's norms 1e-7 off)
+    torch.testing.assert_close(got, _reference(logits, labels, valid, reduction), rtol=1e-12, atol=1e-12)
+
+
+def test_per_sample_lm_loss_of_16_bit_logits_is_taken_in_float32():
+    logits = torch.randn(3, 4, 5, dtype=torch.float64)
+    labels = torch.randint(0, 5, (3, 4))
+    got = flashdp.per_sample_lm_loss(logits.bfloat16(), labels)
+    assert got.dtype == torch.float32
+    expected = _reference(logits.bfloat16().double(), labels, torch.ones(3, 4, dtype=torch.bool), "mean")
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_custom_ignore_index_and_no_shift():

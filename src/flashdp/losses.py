@@ -41,7 +41,9 @@ def per_sample_lm_loss(
     if shift:
         logits, labels, valid = logits[:, :-1], labels[:, 1:], valid[:, 1:]
     targets = labels.masked_fill(~valid, 0)
-    token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2).float(), targets, reduction="none")
+    if logits.dtype in (torch.float16, torch.bfloat16):  # (16-bit logits: the softmax in float32; float64 stays)
+        logits = logits.float()
+    token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
     total = (token_loss * valid).sum(1)
     if reduction == "sum":
         return total

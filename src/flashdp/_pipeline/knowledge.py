@@ -17,7 +17,8 @@ from flashdp._pipeline.plan import GradientPlan
 ROUTINGS_KEPT = 64
 
 #: what a verified forward structure rests on (`measurement._structure`): the modules called, per output of a rule
-#: site's call its number of dims and whether its size at the batch dim is a multiple of B, and the graph's ops
+#: site's call its number of dims, its batch dim and whether its size there is a multiple of B, the graph's ops and
+#: each call's place among them
 Structure = tuple[Hashable, ...]
 
 

@@ -10,6 +10,7 @@ from torch.utils.data import TensorDataset
 
 import flashdp
 from flashdp import FlashDPError, PoissonSampler
+from tests.twister import is_a_seeds_expansion
 
 
 def test_inclusion_is_independent_with_probability_q():
@@ -154,3 +155,20 @@ def test_an_epochs_batches_depend_on_the_seed_and_the_epoch_alone(users):
     resumed = sampler()
     resumed.set_epoch(2)
     assert list(resumed) == epochs[2]
+
+
+@pytest.mark.parametrize("users", [False, True])
+def test_an_unseeded_samplers_batches_are_one_of_more_than_2_to_the_32_streams(users):
+    """(Unseeded, the sampler seeded torch's CPU generator from 63 bits of OS entropy, of which it keeps 32: who
+    enumerates 2^32 seeds knows every batch, and the subsampling's amplification is lost.) Every epoch's generator
+    has a state that is no seed's expansion."""
+    sampler = (
+        flashdp.data.UserPoissonSampler(torch.arange(30) // 3, 0.3, 2, steps=4)
+        if users
+        else PoissonSampler(30, 0.3, steps=4)
+    )
+    inner = sampler._users_sampler if users else sampler
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        assert not is_a_seeds_expansion(inner.generator)
+        assert all(set(batch) <= set(range(30)) for batch in sampler)

@@ -29,7 +29,6 @@ What it cannot show:
 from __future__ import annotations
 
 import math
-import secrets
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +37,7 @@ from torch import Tensor
 
 from flashdp.engine import DPEngine
 from flashdp.errors import FlashDPError
+from flashdp.privacy import keyed
 
 #: the canary's gradient norm before clipping, in units of C: a run whose clipping does not bound it shows
 CANARY_NORM_IN_C = 10.0
@@ -101,7 +101,11 @@ class CanaryAudit:
         self.engine = engine
         self.canaries = canaries
         self.guesses = guesses
-        self._generator = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
+        self._generator = (
+            torch.Generator().manual_seed(seed)
+            if seed is not None
+            else keyed.keyed_generator(keyed.secret_key(), 0, torch.device("cpu"))
+        )
         self._holders = holders
         flat = torch.randperm(sum(sizes), generator=self._generator, device="cpu")[:canaries]
         ends = torch.tensor(sizes, device="cpu").cumsum(0)

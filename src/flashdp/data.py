@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -13,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from flashdp._pipeline.users import holds_integers
 from flashdp.errors import FlashDPError
-from flashdp.privacy import csprng
+from flashdp.privacy import csprng, keyed
 
 #: how far apart the seeds of two epochs are (an odd constant: the golden ratio in 64 bits)
 _EPOCH_STRIDE = 0x9E3779B97F4A7C15
@@ -55,15 +54,20 @@ class PoissonSampler(Sampler[list[int]]):
         self.sample_rate = sample_rate
         self.steps = steps if steps is not None else math.ceil(1 / sample_rate)
         self.secure_rng = secure_rng
-        self._seed = secrets.randbits(63) if seed is None else seed + rank
-        self.generator = torch.Generator()
-        self.generator.manual_seed(self._seed)
+        self._seed = None if seed is None else seed + rank
+        self._key = keyed.secret_key() if seed is None else None
+        self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> None:
         """Draw epoch `epoch`'s batches from then on: a function of the seed and the epoch alone, so that a run
         resumed at a later epoch draws what the uninterrupted run drew (HF Trainer calls it at every epoch; epoch 0
-        is the stream a new sampler starts with). Without calls, epochs continue one stream."""
-        self.generator.manual_seed((self._seed + epoch * _EPOCH_STRIDE) % 2**63)
+        is the stream a new sampler starts with). Without calls, epochs continue one stream. Unseeded, the
+        generator's whole state comes from a secret key (who knows the batches loses the subsampling's
+        amplification; a seed from OS entropy would keep 32 bits)."""
+        if self._key is not None:
+            self.generator = keyed.keyed_generator(self._key, epoch, torch.device("cpu"))
+        else:
+            self.generator = torch.Generator().manual_seed((self._seed + epoch * _EPOCH_STRIDE) % 2**63)
 
     def __len__(self) -> int:
         return self.steps

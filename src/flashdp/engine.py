@@ -8,7 +8,6 @@ committed when a backward succeeds. Measuring is `measurement.measure`, the clip
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +34,7 @@ from flashdp.distributed.checks import check_norm_group, check_same_samples
 from flashdp.errors import FlashDPError
 from flashdp.kernels import Backend
 from flashdp.noisy_step import NoisyStep
-from flashdp.privacy import NoiseSource
+from flashdp.privacy import NoiseSource, keyed
 from flashdp.privacy.settings import PrivacyRequest
 
 
@@ -362,7 +361,7 @@ def _checked_norm_group(norm_group: dist.ProcessGroup | None, adapter: Adapter) 
 def _noise_source(settings: EngineSettings, adapter: Adapter) -> NoiseSource:
     if settings.secure_rng:
         return NoiseSource(None, "secure")
-    drawn = secrets.randbits(63) if settings.seed is None else settings.seed
+    drawn = keyed.secret_key() if settings.seed is None else settings.seed
     return NoiseSource(adapter.noise_seed(drawn), "secret" if settings.seed is None else "seeded")
 
 

@@ -16,6 +16,14 @@ def test_noise_is_the_same_on_every_replica_with_the_right_std():
     check_noise_once_per_coordinate_with_the_right_std("ddp")
 
 
+def test_unseeded_noise_is_the_same_on_every_replica():
+    """The secret key (256 bits) goes from the first rank to the others whole: equal replicas, noised."""
+    noisy = run(workloads.rank_run, "ddp", "bk", 1.0, None)
+    clean = run(workloads.rank_run, "ddp", "bk", 0.0, None)
+    for got, other, without in zip(noisy[0]["params"], noisy[1]["params"], clean[0]["params"], strict=True):
+        assert torch.equal(got, other) and not torch.equal(got, without)
+
+
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
 def test_a_layout_found_by_verifying_on_one_rank_only(mode):
     """DDP's norm pass runs no collective, so a rank may verify alone. (Under FSDP1, which cannot verify, and FSDP2,

@@ -6,8 +6,9 @@ import time
 import pytest
 import torch
 
-from flashdp.privacy import NoiseSource
+from flashdp.privacy import NoiseSource, keyed
 from flashdp.privacy import noise as noise_module
+from tests.twister import is_a_seeds_expansion
 
 
 def test_buckets_cut_by_dtype_and_size(monkeypatch):
@@ -95,3 +96,29 @@ def test_no_noise_generator_draws_the_stream_of_a_seed_near_the_users():
     near = {torch.Generator().manual_seed(seed + r).initial_seed() & 0xFFFFFFFF for r in range(-64, 64)}
     assert not near & {s & 0xFFFFFFFF for s in firsts}
     assert len({s & 0xFFFFFFFF for s in firsts}) == len(firsts)
+
+
+def test_the_layout_read_here_is_torchs():
+    """(So that the tests below can fail: a seeded generator's state is a seed's expansion.)"""
+    assert is_a_seeds_expansion(torch.Generator().manual_seed(2**40 + 7))
+
+
+def test_a_secret_sources_cpu_generators_hold_more_than_32_bits():
+    """(A secret source was seeded from 63 bits of OS entropy; torch's CPU generator kept 32 of them, so its noise
+    was one of 2^32 streams: an adversary knowing every record but one could enumerate them and remove the noise.)
+    Every lane's generator has a state that is no seed's expansion, and two sources' states differ."""
+    first, second = NoiseSource(keyed.secret_key(), "secret"), NoiseSource(keyed.secret_key(), "secret")
+    for k in range(noise_module.CPU_LANES):
+        made = first._generator(torch.device("cpu"), k)
+        assert not is_a_seeds_expansion(made)
+        assert not torch.equal(made.get_state(), second._generator(torch.device("cpu"), k).get_state())
+    drawn = first.gaussian(torch.Size([noise_module.LANE_ELEMENTS * 2]), 1.0, torch.device("cpu"), torch.float32)
+    assert abs(drawn.std().item() - 1) < 0.01 and abs(drawn.mean().item()) < 0.01
+
+
+def test_a_keyed_generator_is_a_function_of_its_key_and_index_only():
+    key = keyed.secret_key()
+    arguments = [(key, 0), (key, 0), (key, 1), (key + 1, 0), (key + 2**32, 0)]
+    draws = [torch.randn(8, generator=keyed.keyed_generator(k, i, torch.device("cpu"))) for k, i in arguments]
+    assert torch.equal(draws[0], draws[1])
+    assert all(not torch.equal(draws[0], other) for other in draws[2:])

@@ -10,6 +10,9 @@ from flashdp._pipeline.profiling import PhaseTimer
 from flashdp.distributed.base import Adapter
 from flashdp.distributed.checks import for_backend
 
+#: 32-bit words of a noise seed sent from the first rank: a secret key's 256 bits (`privacy.keyed.KEY_BITS`)
+_SEED_WORDS = 8
+
 
 class DDPAdapter(Adapter):
     """DDP's own bucketed all-reduce is switched off while the engine is attached (it would average partial,
@@ -38,9 +41,11 @@ class DDPAdapter(Adapter):
             offset += g.numel()
 
     def noise_seed(self, seed: int) -> int:
-        shared = for_backend(torch.tensor([seed], dtype=torch.int64, device="cpu"), self.dp_group)
+        """The first rank's seed (a user's, or a 256-bit key), sent as 32-bit words."""
+        words = [(seed >> (32 * i)) & 0xFFFFFFFF for i in range(_SEED_WORDS)]
+        shared = for_backend(torch.tensor(words, dtype=torch.int64, device="cpu"), self.dp_group)
         dist.broadcast(shared, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
-        return int(shared.item())
+        return sum(int(word) << (32 * i) for i, word in enumerate(shared.tolist()))
 
     def shared_noise(self, noise: Tensor) -> Tensor:
         """Equal seeds already give equal noise; the OS CSPRNG (secure_rng) does not, so rank 0's is sent."""

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from flashdp.errors import FlashDPError
-from flashdp.privacy import csprng
+from flashdp.privacy import csprng, keyed
 
 #: how the noise is drawn: "seeded" (reproducible, checkpointed), "secret" (seeded from OS entropy, never
 #: checkpointed) or "secure" (the OS CSPRNG, no state)
@@ -29,10 +29,12 @@ NOISE_KINDS: tuple[str, ...] = ("seeded", "secret", "secure")
 class NoiseSource:
     """Draws `N(0, std^2)` tensors.
 
-    seed: what torch's generators (Philox/Mersenne) are seeded from, one per device, and on the CPU one per lane
-        (`CPU_LANES`): `generator_seed(seed, k)` for the k-th generator made.
+    seed: what torch's generators (Philox/Mersenne) derive from, one per device, and on the CPU one per lane
+        (`CPU_LANES`): the k-th generator made is seeded `generator_seed(seed, k)`, or for a secret source has its
+        whole state from `keyed.keyed_generator(seed, k)`.
     kind: "seeded" when the user chose the seed (reproducible, NOT private against whoever knows the seed: it is
-        kept in checkpoints for a bitwise resume); "secret" when it came from OS entropy (never checkpointed);
+        kept in checkpoints for a bitwise resume); "secret" when it is a `keyed.KEY_BITS`-bit key from OS entropy
+        (never checkpointed; a seed would keep 32 of its bits on the CPU);
         "secure" draws from the OS CSPRNG (`os.urandom`) with the Box-Muller transform in float64 instead (slower,
         not reproducible, no seed). Like every floating-point Gaussian sampler it does not defend against
         floating-point attacks (Mironov, CCS 2012).
@@ -70,9 +72,11 @@ class NoiseSource:
     def _generator(self, device: torch.device, lane: int = 0) -> torch.Generator:
         key = str(device) if lane == 0 else f"{device}{_LANE}{lane}"
         if key not in self._generators:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(generator_seed(self._seed, len(self._generators)))
-            self._generators[key] = generator
+            made = len(self._generators)
+            if self.kind == "secret":
+                self._generators[key] = keyed.keyed_generator(self._seed, made, device)
+            else:
+                self._generators[key] = torch.Generator(device=device).manual_seed(generator_seed(self._seed, made))
         return self._generators[key]
 
     def state_dict(self) -> dict:

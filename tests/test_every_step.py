@@ -509,3 +509,92 @@ def test_a_structure_verified_before_a_layer_was_learnt_time_major_is_verified_a
     batches = [(torch.randn(b, t, 4, dtype=torch.float64), changed) for b, t, changed in shapes]
     sizes = [b for b, _, _ in shapes]
     check_steps(model, batches, _changes_loss, lambda b, i: (b[0][i : i + 1], b[1]), sizes, mode=mode)
+
+
+class MasksAndMixes(nn.Module):
+    """Token ids `[B, T]` through an embedding and two Linears; between them (`mixes`) nothing, sample 0's rows
+    replaced by sample 1's, or sample 1's added to sample 0's: flows that no step shows while sample 0's loss is
+    masked out."""
+
+    def __init__(self, mixes: str = "none") -> None:
+        super().__init__()
+        self.embedding, self.a, self.head = nn.Embedding(7, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+        self.mixes = mixes
+
+    def forward(self, ids):
+        h = torch.tanh(self.a(self.embedding(ids)))
+        if self.mixes == "replaced":
+            h = torch.cat([h[1:2], h[1:]])
+        elif self.mixes == "added":
+            h = torch.cat([h[:1] + h[1:2], h[1:]])
+        return self.head(h)
+
+
+def _masked_loss(model, batch):
+    """Per-token losses masked by `[B, T]` weights, summed per sample: a sample whose mask is all zero has a
+    gradient of zero (the fully masked SFT sample, its prompt past the maximum length)."""
+    ids, mask = batch
+    return (model(ids).square().sum(-1) * mask).sum(1)
+
+
+def _masked_batches(masked: list[int], batch: int = 4, t: int = 3) -> list:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for sample in masked:
+        mask = torch.ones(batch, t, dtype=torch.float64)
+        mask[sample] = 0
+        batches.append((torch.randint(0, 7, (batch, t), generator=generator), mask))
+    return batches
+
+
+def _count_verifying_passes(monkeypatch) -> list[int]:
+    from flashdp._pipeline import measurement
+
+    count, verifying_pass = [0], measurement._verifying_pass
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return verifying_pass(*args, **kwargs)
+
+    monkeypatch.setattr(measurement, "_verifying_pass", counted)
+    return count
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_masked_sample_on_every_step_verifies_once_the_steps_together_saw_every_row(mode, monkeypatch):
+    """(A pass that saw some sample's rows all zero decided nothing: a model with a masked sample in every batch
+    verified every step, at several times a step's cost.) Passes of one structure add up: once each sample position
+    has been seen non-zero on one of them, the structure is verified; every step exact."""
+    torch.manual_seed(0)
+    passes = _count_verifying_passes(monkeypatch)
+    batches = _masked_batches([0, 2, 1, 3, 0, 2])
+    check_steps(
+        MasksAndMixes().double(),
+        batches,
+        _masked_loss,
+        lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]),
+        [4] * 6,
+        mode=mode,
+    )
+    assert passes[0] == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mixes", ["replaced", "added"])
+def test_rows_a_masked_sample_hid_are_checked_on_the_step_that_unmasks_it(mixes, mode):
+    """Sample 0 masked on the first steps, every other sample seen: sample 0's position is never seen, so nothing
+    is decided, and the step that unmasks it shows its loss reaching sample 1's rows: refused (by the layer, or by
+    the generic rule the model's mixing falls to)."""
+    torch.manual_seed(0)
+    model = MasksAndMixes(mixes).double()
+    batches = _masked_batches([0, 0, 0])
+    for ids, mask in batches:
+        mask[1 + len(ids) % 3 :, 0] = 0  # (other samples' tokens masked too, never a whole one)
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
+        for batch in batches:
+            engine.backward(_masked_loss(model, batch))
+            model.zero_grad()
+        ids, mask = _masked_batches([3])[0]
+        mask[3, 1:] = 1  # (sample 3 partly masked: every sample seen)
+        with pytest.raises(FlashDPError, match=r"not separable by sample|cannot compute per-sample gradients"):
+            engine.backward(_masked_loss(model, (ids, mask)))

@@ -41,11 +41,12 @@ class LossGraph:
     def operations(self) -> Operations:
         """The graph's operations and their wiring, comparable across backwards: the number of nodes and a hash of,
         per node in an order fixed by the graph's shape, its type (the op, e.g. `FlipBackward0`, or a custom
-        Function's) and, per input slot, the number of the node it reads (and which of that node's outputs), or
-        None. Equal for two graphs that compute the same ops in the same arrangement, whatever the sizes and values;
-        different where an op is added, removed or rewired (a flip of the rows, a transpose to time-major, a loss
-        that subtracts the batch mean), but for a 64-bit hash collision. Kept as a hash: a model whose graph differs
-        on every step keeps one per verified structure."""
+        Function's), the dims it works along (`_dim_attributes`) and, per input slot, the number of the node it
+        reads (and which of that node's outputs), or None. Equal for two graphs that compute the same ops along the
+        same dims in the same arrangement, whatever the sizes and values; different where an op is added, removed,
+        rewired or moved to another dim (a flip of the rows, a transpose to time-major, a loss that subtracts the
+        batch mean, a cumulative sum over the batch where it was over time), but for a 64-bit hash collision. Kept
+        as a hash: a model whose graph differs on every step keeps one per verified structure."""
         return self._index[1]
 
     def places(self, edges: Iterable[tuple[GradientEdge, ...]]) -> tuple[tuple[tuple[int, int] | None, ...], ...]:
@@ -62,7 +63,7 @@ class LossGraph:
         """One walk from the loss's node: each node numbered when first met, so the numbering, and so
         `operations`, depends only on the graph's shape."""
         parents: Parents = {}
-        operations: list[tuple[type, tuple[tuple[int, int] | None, ...]]] = []
+        operations: list[tuple[type, tuple[tuple[int, int] | None, ...], tuple]] = []
         root = self.loss.grad_fn
         number: dict[Node, int] = {root: 0} if root is not None else {}
         pending = list(number)
@@ -78,7 +79,11 @@ class LossGraph:
                     number[child] = len(number)
                     pending.append(child)
                 inputs.append((number[child], output_nr))
-            operations.append((type(node), tuple(inputs)))
+            kind = type(node)  # (the dims inline: this loop runs over every node on every backward)
+            names = _DIM_ATTRIBUTES.get(kind)
+            if names is None:
+                names = _dim_attributes(node)
+            operations.append((kind, tuple(inputs), tuple([getattr(node, n) for n in names]) if names else ()))
         return parents, (len(operations), hash(tuple(operations))), number
 
     def reaches_loss(self, edge: GradientEdge) -> bool:
@@ -116,3 +121,20 @@ class LossGraph:
                 found.add(node)
                 pending.extend(consumer for consumer, _ in self.parents.get(node, ()))
         return found
+
+
+#: per node type, the names of the dims its op saved (`_saved_dim`, `_saved_dims`, `_saved_dim0`, `_saved_keepdim`)
+_DIM_ATTRIBUTES: dict[type, tuple[str, ...]] = {}
+
+
+def _dim_attributes(node: Node) -> tuple[str, ...]:
+    """The names of the dims `node`'s op works along, as saved for its backward (`flip(dims)`, `cumsum(dim)`,
+    `transpose(dim0, dim1)`, `cat(dim)`, `sum(dim, keepdim)`...): a step that flips, sums or concatenates along
+    another dim with the same ops is another structure. Not the op's other arguments, which may be sizes (a
+    slice's end, a split's size: a new structure on every sequence length) or shifts."""
+    kind = type(node)
+    if kind not in _DIM_ATTRIBUTES:
+        _DIM_ATTRIBUTES[kind] = tuple(
+            a for a in dir(node) if a.startswith("_saved_") and "dim" in a and not isinstance(getattr(node, a), Tensor)
+        )
+    return _DIM_ATTRIBUTES[kind]

@@ -30,12 +30,15 @@ def check_steps(
     self_check: int | None = None,
     max_grad_norm: float = 1.0,
     rtol: float = 1e-7,
-) -> None:
-    """One engine through every batch in turn; each step's norms and `.grad` against the oracle (float64)."""
+    refusals: bool = False,
+) -> list[int]:
+    """One engine through every batch in turn; each step's norms and `.grad` against the oracle (float64). With
+    `refusals`, a step may be refused (FlashDPError) instead: the steps refused are returned."""
     reference = copy.deepcopy(model)
     engine = flashdp.make_private(
         model, mode=mode, max_grad_norm=max_grad_norm, noise_multiplier=0.0, self_check=self_check
     )
+    refused: list[int] = []
     try:
         for step, (batch, size) in enumerate(zip(batches, sizes, strict=True)):
             expected_ps = per_sample_grads(
@@ -43,7 +46,13 @@ def check_steps(
             )
             expected_norms, expected_sums = clip(expected_ps, "flat", max_grad_norm)
             model.zero_grad(set_to_none=True)
-            norms = engine.backward(loss_of(model, batch))
+            try:
+                norms = engine.backward(loss_of(model, batch))
+            except flashdp.FlashDPError:
+                if not refusals:
+                    raise
+                refused.append(step)
+                continue
             where = f"step {step} (batch of {size})"
             torch.testing.assert_close(
                 norms.double(), expected_norms, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}"
@@ -51,3 +60,4 @@ def check_steps(
             assert_clipped_sums(model, expected_sums, rtol, where=f"{where}, ")
     finally:
         engine.detach()
+    return refused

@@ -10,42 +10,16 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from torch import Tensor
-
 from flashdp._pipeline import routing
 from flashdp._pipeline.plan import GradientPlan
 
 #: verified routings kept per structure (each a few index tensors of about the batch's size)
 ROUTINGS_KEPT = 64
-#: structures kept whose verifying passes have seen some samples' rows, not yet all (`Knowledge.partly_seen`)
-PARTLY_SEEN_KEPT = 64
 
 #: what a verified forward structure rests on (`measurement._structure`): the modules called, per output of a rule
 #: site's call its number of dims, its batch dim and whether its size there is a multiple of B, the graph's ops and
 #: each call's place among them
 Structure = tuple[Hashable, ...]
-
-
-@dataclass(frozen=True)
-class RowsSeen:
-    """Which samples' rows a passing verifying pass saw non-zero, per sketched output: a sample whose rows are all
-    zero there (masked, padded out) shows nothing about which rows are its own (rows of another sample mixed with
-    zeros scale like its own)."""
-
-    #: the sketched outputs, as (call, output) indices among the pass's rule calls
-    outputs: tuple[tuple[int, int], ...]
-    #: `[outputs, B]` bool, on the CPU
-    rows: Tensor
-
-    @property
-    def every_row(self) -> bool:
-        return bool(self.rows.all())
-
-    def union(self, other: RowsSeen | None) -> RowsSeen:
-        """Both passes' rows, where `other` sketched the same outputs (else this pass's alone)."""
-        if other is None or other.outputs != self.outputs or other.rows.shape != self.rows.shape:
-            return self
-        return RowsSeen(self.outputs, self.rows | other.rows)
 
 
 @dataclass(frozen=True)
@@ -86,20 +60,12 @@ class Knowledge:
     #: the verified batch may have been in order). Several: a sequence classifier's `logits[arange(B), last]`
     #: routes a batch of each size its own way, and Poisson batches change size on almost every step
     routings: Mapping[Structure, tuple[routing.Routing, ...]] = field(default_factory=dict)
-    #: structures whose passing verifying passes (under a routing that moves no rows) each saw some samples' rows
-    #: all zero: the rows seen so far, the latest `PARTLY_SEEN_KEPT`. Once every sample position of every output
-    #: has been seen on some pass, the structure is verified: each position's loss showed, on one pass at least,
-    #: that it reaches its own rows only (a masked sample on every step, the fully masked SFT sample, would
-    #: otherwise verify every step it sits in)
-    partly_seen: Mapping[Structure, RowsSeen] = field(default_factory=dict)
     #: when the self-check runs; a backward that fails does not count as having run it
     self_check: SelfCheckSchedule = SelfCheckSchedule(None)
 
     def with_plan(self, plan: GradientPlan) -> Knowledge:
         """Another plan: every structure is verified again under it."""
-        if plan is self.plan:
-            return self
-        return replace(self, plan=plan, verified=frozenset(), routings={}, partly_seen={})
+        return self if plan is self.plan else replace(self, plan=plan, verified=frozenset(), routings={})
 
     def with_layout(self, plan: GradientPlan) -> Knowledge:
         """The plan with batch dims learnt by a verifying pass, which is redone: its structure is verified then."""
@@ -126,16 +92,6 @@ class Knowledge:
         else:
             routings.pop(structure, None)
         return replace(self, verified=self.verified | {structure, *alike}, routings=routings)
-
-    def seeing(self, structure: Structure, seen: RowsSeen) -> tuple[Knowledge, bool]:
-        """`seen` joined to what earlier passes of `structure` saw, and whether every row has now been seen."""
-        partly = dict(self.partly_seen)
-        joined = seen.union(partly.pop(structure, None))
-        if joined.every_row:
-            return replace(self, partly_seen=partly), True
-        partly[structure] = joined
-        kept = dict(list(partly.items())[-PARTLY_SEEN_KEPT:])
-        return replace(self, partly_seen=kept), False
 
     def self_checked(self, index: int) -> Knowledge:
         return replace(self, self_check=self.self_check.ran(index))

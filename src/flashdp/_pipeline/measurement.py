@@ -21,7 +21,7 @@ from flashdp._pipeline import aliasing, clipping, learning, nonfinite, routing, 
 from flashdp._pipeline.clipped_sums import Keeps, Norms
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
 from flashdp._pipeline.grad_writes import GradWrites
-from flashdp._pipeline.knowledge import Knowledge, RowsSeen, Structure
+from flashdp._pipeline.knowledge import Knowledge
 from flashdp._pipeline.layout import (
     Ambiguous,
     ambiguous,
@@ -97,11 +97,11 @@ class _Pass:
 
 @dataclass(frozen=True)
 class _Verified:
-    """A verifying pass found every call's rows per-sample: the rows it saw (None where sizes alone decided, no
-    pass run), the routing above its calls (what the layout rests on), and the norm pass it was, if it was one."""
+    """A verifying pass found every call's rows per-sample: whether it decided the layout for later steps (every
+    sample seen), the routing above its calls (what that layout rests on), and the norm pass it was, if it was one."""
 
     known: Knowledge
-    seen: RowsSeen | None
+    decided: bool
     routed: routing.Routing
     done: _Pass | None
 
@@ -160,7 +160,7 @@ def measure(
         known, graph, calls, shapes, routed, new_structure and not parts.adapter.allows_second_pass
     )
     verify, checking = _agreed(parts, graph, verify, checking, unverifiable, refusal)
-    verified = _Verified(known, None, routed, None)
+    verified = _Verified(known, True, routed, None)
     if verify:
         verified, checking = _verify(parts, known, graph, calls, checking, routed, keeps)
     known = verified.known
@@ -169,8 +169,9 @@ def measure(
     calls.clear()
     known = done.known
     measurement = _finish(parts, known, graph, done, keeps, unit_gradients)
-    if batch > 1 and (verify or new_structure):  # (a batch of one decides no layout: every dim fits it)
-        known = _verified(known, _structure(known.plan, shapes, graph, placed), shapes, verified)
+    # a batch of one decides no layout: every dim fits it, its rows are all its own
+    if batch > 1 and verified.decided and (verify or new_structure):
+        known = _verified(known, shapes, graph, placed, verified.routed)
     return measurement, known
 
 
@@ -196,17 +197,10 @@ def _agreed(
     return verify, checking
 
 
-def _verified(known: Knowledge, key: Structure, shapes: list, verified: _Verified) -> Knowledge:
-    """The structure `key` verified under the pass's routing, and a batch of one's with it, once every sample's rows
-    have been seen: on this pass, or (under a routing that moves no rows: positions are samples alike on every
-    step) on this structure's passes together."""
-    if verified.seen is not None and not verified.seen.every_row:
-        if verified.routed.moves or key in known.verified:
-            return known
-        known, every_row = known.seeing(key, verified.seen)
-        if not every_row:
-            return known
-    return known.verifying(key, verified.routed, structure(known.plan, shapes, 1))
+def _verified(known: Knowledge, shapes: list, graph: LossGraph, placed: tuple, routed: routing.Routing) -> Knowledge:
+    """This step's structure verified under `routed`, and a batch of one's with it."""
+    plain = structure(known.plan, shapes, 1)
+    return known.verifying(_structure(known.plan, shapes, graph, placed), routed, plain)
 
 
 def _structure(plan: GradientPlan, shapes: list, graph: LossGraph, placed: tuple) -> tuple:
@@ -309,7 +303,7 @@ def _verifying_pass(
             stream_output_gradients(graph, list(rule_calls), verifying.keep, held=(), retain_graph=True)
     found, known = _verdict(parts, known, graph, verifying, calls)
     if found is Found.VERIFIED:
-        return _Verified(known, verifying.rows_seen(), routed, done)
+        return _Verified(known, verifying.every_sample_seen(), routed, done)
     return _Finding(known, cover_again=found is Found.NOT_BATCH_FIRST)
 
 

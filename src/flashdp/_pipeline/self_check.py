@@ -115,6 +115,12 @@ class RowSketch:
         floor = 1e-3 * self.norms.max() * weights  # (relative to the sample's own weight, not the largest)
         return bool((error > rtol * (scale + floor)).any())
 
+    @property
+    def every_sample_seen(self) -> bool:
+        """Whether every sample's rows were non-zero: a sample whose rows are all zero shows nothing about which
+        rows are its own (rows of another sample mixed with zeros scale like its own)."""
+        return bool((self.norms > 0).all())
+
 
 def sketch_output_gradients(
     call: Call, grads: tuple[Tensor | None, ...], dims: tuple[int, ...], batch: int, shared: Collection[int], seed: int

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from flashdp._pipeline import self_check
 from flashdp._pipeline.collector import NormCollector
-from flashdp._pipeline.knowledge import RowsSeen
 from flashdp._pipeline.plan import GradientPlan
 from flashdp._pipeline.recorder import Call
 from flashdp.errors import another_rank_refused
@@ -34,13 +31,10 @@ class Verifying:
     def __post_init__(self) -> None:
         self.sketches = [()] * len(self.calls)
 
-    def rows_seen(self) -> RowsSeen:
-        """Which samples' rows each sketched output saw non-zero (one copy to the host for them all)."""
-        outputs = [(i, j) for i, sketches in enumerate(self.sketches) for j, sketch in enumerate(sketches) if sketch]
-        if not outputs:
-            return RowsSeen((), torch.ones(0, self.batch, dtype=torch.bool))
-        rows = torch.stack([self.sketches[i][j].norms > 0 for i, j in outputs]).cpu()
-        return RowsSeen(tuple(outputs), rows)
+    def every_sample_seen(self) -> bool:
+        """Every sample has non-zero rows in every layer: only then does the pass decide a layout for later steps
+        (a sample padded out, or masked, shows nothing about whose rows are whose)."""
+        return all(sketch.every_sample_seen for sketches in self.sketches for sketch in sketches if sketch)
 
     def keep(self, index: int, grads: tuple) -> None:
         shared = {j for i, j in self.shared if i == index}

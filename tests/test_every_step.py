@@ -699,3 +699,18 @@ def test_a_cumulative_sum_moved_from_time_to_the_batch_is_refused(mode):
             model.zero_grad()
         with pytest.raises(FlashDPError, match=r"not separable by sample|per-sample gradients|Self-check failed"):
             engine.backward(_changes_loss(model, (torch.randn(3, 2, 4, dtype=torch.float64), 0)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_masks_that_make_time_steps_look_like_samples_decide_no_layout(mode):
+    """A head called time-major with T == B, each sample's loss reading only the token at its own index: every time
+    step's rows then scale with one sample's weight, as samples' rows would, and the batch-first layout passed the
+    verifying pass. (Trusted on the next, unmasked step: 13-27% off the oracle.) A pass under which another dim of
+    size B passes too decides nothing: that step is exact either way, and the next one is verified."""
+    torch.manual_seed(0)
+    masks = [[[1, 0], [0, 1]], [[1, 1], [1, 1]], [[1, 1], [1, 1]]]
+    batches = _masked_steps(HeadTimeMajor, masks)
+    check_steps(
+        HeadTimeMajor().double(), batches, _masks_loss, lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]), [2, 2, 2],
+        mode=mode, self_check=None,
+    )  # fmt: skip

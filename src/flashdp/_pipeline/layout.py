@@ -77,6 +77,20 @@ def _call_layout(plan: GradientPlan, call: CallShape, batch: int) -> tuple[int, 
     )
 
 
+def other_batch_dims(plan: GradientPlan, call: Call, batch: int) -> tuple[tuple[int, ...], ...]:
+    """Per output of a position-wise rule site's call, the dims before the features other than its batch dim whose
+    size is B: where a time-major layout (`time_major_dim`) would read the batch. A verifying pass under which one
+    of them passes too decides nothing (token masks that leave each time step to one sample make time steps look
+    like samples); other rules read the batch where they do, and are not learnt time-major."""
+    dims = dims_of(plan, call)
+    if not plan.site(call.module).match.rule.position_wise:
+        return ((),) * len(dims)
+    return tuple(
+        tuple(d for d in range(len(m.shape) - 1) if d != dim and m.shape[d] == batch)
+        for m, dim in zip(call.output_meta, dims, strict=True)
+    )
+
+
 def time_major_dim(plan: GradientPlan, call: Call, batch: int) -> int | None:
     """For a call of a position-wise rule whose outputs have the batch in another dim than the one it was told (a
     time-major `[T, B, d]` call), the first dim before the features where every output has size B."""

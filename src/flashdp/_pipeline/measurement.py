@@ -27,6 +27,7 @@ from flashdp._pipeline.layout import (
     ambiguous,
     ambiguous_error,
     dims_of,
+    other_batch_dims,
     shapes_of,
     structure,
 )
@@ -291,7 +292,8 @@ def _verifying_pass(
     if batch > 1:
         routed = routing.of(graph, known.plan, rule_calls, known.shared_sites)
     dims = [dims_of(known.plan, c) for c in rule_calls]
-    verifying = Verifying(rule_calls, dims, set(shared), batch)
+    others = [other_batch_dims(known.plan, c, batch) for c in rule_calls]
+    verifying = Verifying(rule_calls, dims, set(shared), batch, others)
     if aliased is not None:  # (raised once the layout is verified: learning it may move the parameter to an
         verifying.errors.append(aliased)  # enclosing generic rule, which counts it once)
     done = None
@@ -303,7 +305,7 @@ def _verifying_pass(
             stream_output_gradients(graph, list(rule_calls), verifying.keep, held=(), retain_graph=True)
     found, known = _verdict(parts, known, graph, verifying, calls)
     if found is Found.VERIFIED:
-        return _Verified(known, verifying.every_sample_seen(), routed, done)
+        return _Verified(known, verifying.decided(), routed, done)
     return _Finding(known, cover_again=found is Found.NOT_BATCH_FIRST)
 
 
@@ -315,9 +317,10 @@ def _verdict(
     loss, calls = graph.loss, verifying.calls
     rtol = self_check.tolerance([loss.dtype, *(m.dtype for c in calls for m in c.output_meta)], computed_in_tf32(loss))
     with torch.no_grad(), parts.adapter.norm_pass(), parts.timer.phase("checks"), releasing_packed_inputs(recorded):
-        failing = self_check.batch_independence_failures(
-            loss, calls, verifying.sketches, verifying.dims, rtol, parts.check_generator, graph.users
-        )
+        failing, verifying.passing_elsewhere = self_check.batch_independence_failures(
+            loss, calls, verifying.sketches, verifying.dims, rtol, parts.check_generator, graph.users,
+            verifying.other_layouts,
+        )  # fmt: skip
     found, learnt = learning.explain_failures(known, graph, calls, failing) if failing else (Found.VERIFIED, known)
     if found is Found.VERIFIED and verifying.errors:
         found = Found.REFUSED

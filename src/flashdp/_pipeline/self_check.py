@@ -20,7 +20,7 @@ autograd's own per-sample gradients, taken on the very graph being clipped. It c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -135,6 +135,10 @@ def sketch_output_gradients(
     )
 
 
+#: per (call, output): other dims its batch could be read in, each with its sketch of the output's gradient
+OtherLayouts = Mapping[tuple[int, int], tuple[tuple[int, RowSketch], ...]]
+
+
 def batch_independence_failures(
     loss: Tensor,
     calls: Sequence[Call],
@@ -143,9 +147,11 @@ def batch_independence_failures(
     rtol: float,
     generator: torch.Generator,
     users: UserGroups | None = None,
-) -> list[int]:
+    other_layouts: OtherLayouts | None = None,
+) -> tuple[list[int], bool]:
     """The calls (indices) some output of which has gradient rows that are not per-sample, or not per user where
-    `users` are given (see the module docstring), from the sketches of the unweighted pass's output gradients.
+    `users` are given (see the module docstring), from the sketches of the unweighted pass's output gradients; and
+    whether some output that passed passes in one of its `other_layouts` too (then its rows tell no layout apart).
     With fewer than 2 samples there is nothing to compare, but the pass still runs (FSDP ranks must run the same
     passes)."""
     dtypes = [loss.dtype, *(m.dtype for c in calls for m in c.output_meta)]
@@ -156,23 +162,25 @@ def batch_independence_failures(
     with torch.enable_grad():
         weighted_loss = loss * weights.to(loss.dtype)
     failing: list[int] = []
+    passing_elsewhere: list[int] = []
+    others = other_layouts or {}
 
     def compare(index: int, weighted: tuple[Tensor | None, ...]) -> None:
         """One call's weighted output gradients against its sketches, as the weighted pass computes them."""
         call = calls[index]
-        for meta, sketch, weighted_grad, dim in zip(
-            call.output_meta, sketches[index], weighted, batch_dims[index], strict=True
+        for j, (meta, sketch, grad, dim) in enumerate(
+            zip(call.output_meta, sketches[index], weighted, batch_dims[index], strict=True)
         ):
-            if (
-                sketch is not None
-                and weighted_grad is not None
-                and sketch.fails(weighted_grad, meta.shape, dim, weights, rtol)
-            ):
+            if sketch is None or grad is None:
+                continue
+            if sketch.fails(grad, meta.shape, dim, weights, rtol):
                 failing.append(index)
                 return
+            if any(not other.fails(grad, meta.shape, d, weights, rtol) for d, other in others.get((index, j), ())):
+                passing_elsewhere.append(index)
 
     stream_output_gradients(LossGraph(weighted_loss), list(calls), compare, held=(), retain_graph=True)
-    return sorted(failing)
+    return sorted(failing), bool(passing_elsewhere)
 
 
 def _sample_matrices(grad: Tensor, shape: torch.Size, dim: int, batch: int) -> Tensor:

@@ -25,22 +25,37 @@ class Verifying:
     #: (call, output) indices of outputs shared across the batch
     shared: set[tuple[int, int]]
     batch: int
+    #: each call's other dims of size B per output, where its layer could be learnt to read the batch
+    other_dims: list[tuple[tuple[int, ...], ...]]
     sketches: list[tuple[self_check.RowSketch | None, ...]] = field(init=False)
+    #: sketches of the outputs' gradients as read in their `other_dims`
+    other_layouts: dict[tuple[int, int], tuple[tuple[int, self_check.RowSketch], ...]] = field(default_factory=dict)
+    #: set by the weighted pass: some output passed in one of its other dims too
+    passing_elsewhere: bool = False
     errors: list[Exception] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.sketches = [()] * len(self.calls)
 
-    def every_sample_seen(self) -> bool:
-        """Every sample has non-zero rows in every layer: only then does the pass decide a layout for later steps
-        (a sample padded out, or masked, shows nothing about whose rows are whose)."""
-        return all(sketch.every_sample_seen for sketches in self.sketches for sketch in sketches if sketch)
+    def decided(self) -> bool:
+        """Whether the pass decides a layout for later steps: every sample has non-zero rows in every layer (a
+        sample padded out, or masked, shows nothing about whose rows are whose), and no output's rows also pass
+        as another dim's (time steps that masks leave to one sample each look like samples)."""
+        seen = all(sketch.every_sample_seen for sketches in self.sketches for sketch in sketches if sketch)
+        return seen and not self.passing_elsewhere
 
     def keep(self, index: int, grads: tuple) -> None:
         shared = {j for i, j in self.shared if i == index}
+        call = self.calls[index]
         self.sketches[index] = self_check.sketch_output_gradients(
-            self.calls[index], grads, self.dims[index], self.batch, shared, seed=index
+            call, grads, self.dims[index], self.batch, shared, seed=index
         )
+        for j, (dims, sketch) in enumerate(zip(self.other_dims[index], self.sketches[index], strict=True)):
+            if dims and sketch is not None:
+                self.other_layouts[(index, j)] = tuple(
+                    (d, self_check.RowSketch.of(grads[j], call.output_meta[j].shape, d, self.batch, sketch.seed))
+                    for d in dims
+                )
 
 
 def receiver(collector: NormCollector, verifying: Verifying | None):

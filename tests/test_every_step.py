@@ -389,7 +389,7 @@ def test_a_layer_mixing_samples_read_only_after_the_verified_step_is_refused_the
     with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
         engine.backward(_aux_loss(model, (x, False)))
         model.zero_grad()
-        with pytest.raises(FlashDPError, match=r"not separable by sample|Self-check failed"):
+        with pytest.raises(FlashDPError, match=r"not separable by sample|Self-check failed|one sample at a time"):
             engine.backward(_aux_loss(model, (x, True)))
 
 
@@ -697,7 +697,8 @@ def test_a_cumulative_sum_moved_from_time_to_the_batch_is_refused(mode):
         for _ in range(2):
             engine.backward(_changes_loss(model, (torch.randn(3, 2, 4, dtype=torch.float64), 1)))
             model.zero_grad()
-        with pytest.raises(FlashDPError, match=r"not separable by sample|per-sample gradients|Self-check failed"):
+        refused = r"not separable by sample|per-sample gradients|Self-check failed|one sample at a time"
+        with pytest.raises(FlashDPError, match=refused):
             engine.backward(_changes_loss(model, (torch.randn(3, 2, 4, dtype=torch.float64), 0)))
 
 
@@ -714,3 +715,32 @@ def test_masks_that_make_time_steps_look_like_samples_decide_no_layout(mode):
         HeadTimeMajor().double(), batches, _masks_loss, lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]), [2, 2, 2],
         mode=mode, self_check=None,
     )  # fmt: skip
+
+
+class FlipsTheBatch(nn.Module):
+    """Rows flipped over the batch between two Linears and not flipped back: sample i's loss reads sample
+    B - 1 - i's rows, so the model is not per-sample (alone, each sample is its own flip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x, mask):
+        return self.head(torch.tanh(self.a(x)).flip(0))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_module_made_a_generic_site_on_this_backward_is_compared_with_its_batch_outputs(mode):
+    """(Its outputs were not kept, recorded as an enclosing scope, so its generic rule's per-sample re-run was
+    compared with nothing; with the last sample masked only the first sample's norm was wrong, 5.13 against 2.11
+    alone and 5.61 in the batch's graph, and the self-check's two samples missed it.) The whole batch's outputs
+    are recomputed for the comparison: refused."""
+    torch.manual_seed(0)
+    model = FlipsTheBatch().double()
+    mask = torch.ones(3, 3, dtype=torch.float64)
+    mask[2] = 0
+    x = torch.randn(3, 3, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    private = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None)
+    with private as engine, pytest.raises(FlashDPError, match="one sample at a time with the generic rule"):
+        engine.backward(_masks_loss(model, (x, mask)))
+    assert all(p.grad is None for p in model.parameters())

@@ -65,9 +65,26 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
             grads, outputs = vmap(one_sample, randomness="different")(per_sample_inputs, cotangents)
     except (RuntimeError, ValueError, TypeError, IndexError) as error:
         raise _vmap_error(call.label, error) from error
-    _check_recomputed(call, [call.outputs[j] for j in used], outputs, shared)
+    recorded = [call.outputs[j] for j in used]
+    if any(r is None for r in recorded):  # a module first recorded only as an enclosing scope: no outputs kept
+        recorded = _batch_outputs(call, params, tree_unflatten(leaves, spec), output_slots)
+    _check_recomputed(call, recorded, outputs, shared)
     _refuse_unswapped_reads(call, outputs)
     return {name: g.to(accumulation_dtype(g)) for name, g in grads.items()}
+
+
+def _batch_outputs(
+    call: LayerCall, params: dict[str, Tensor], inputs: tuple[tuple, dict], slots: tuple[int, ...]
+) -> list[Tensor]:
+    """The module's outputs on the whole batch, recomputed: what the per-sample re-run is compared with where the
+    forward kept none (a module that became a generic rule site on this backward, recorded as a scope). Without
+    it, a module whose samples' outputs depend on each other (rows flipped over the batch) would be counted as
+    if each ran alone, checked by nothing but the self-check's few samples."""
+    args, kwargs = inputs
+    with autocast_like(call), torch.no_grad():
+        out = functional_call(call.module, {**call.frozen, **params}, args, kwargs)
+    out = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+    return [out[slot] for slot in slots]
 
 
 def _vmap_error(label: str, error: Exception) -> FlashDPError:
@@ -148,13 +165,12 @@ def _cotangent(meta: OutputMeta, grad: Tensor, shared: bool, batch: int) -> Tens
 
 
 def _check_recomputed(
-    call: LayerCall, recorded_outputs: list[Tensor | None], outputs: tuple[Tensor, ...], shared: tuple[bool, ...]
+    call: LayerCall, recorded_outputs: list[Tensor], outputs: tuple[Tensor, ...], shared: tuple[bool, ...]
 ) -> None:
     for recorded, again, is_shared in zip(recorded_outputs, outputs, shared, strict=True):
-        if recorded is not None:  # (None: not kept, a module first recorded only as an enclosing scope)
-            # every sample recomputes the same shared output; batch outputs come back grouped by sample
-            again = again[0] if is_shared else again.reshape(-1, *again.shape[2:])
-            check_recomputed(call.label, recorded, again, "one sample at a time with the generic rule")
+        # every sample recomputes the same shared output; batch outputs come back grouped by sample
+        again = again[0] if is_shared else again.reshape(-1, *again.shape[2:])
+        check_recomputed(call.label, recorded, again, "one sample at a time with the generic rule")
 
 
 #: the rule of every module without one of its own (and of promotion targets)

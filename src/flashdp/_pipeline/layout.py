@@ -78,15 +78,15 @@ def _call_layout(plan: GradientPlan, call: CallShape, batch: int) -> tuple[int, 
 
 
 def other_batch_dims(plan: GradientPlan, call: Call, batch: int) -> tuple[tuple[int, ...], ...]:
-    """Per output of a position-wise rule site's call, the dims before the features other than its batch dim whose
-    size is B: where a time-major layout (`time_major_dim`) would read the batch. A verifying pass under which one
-    of them passes too decides nothing (token masks that leave each time step to one sample make time steps look
-    like samples); other rules read the batch where they do, and are not learnt time-major."""
-    dims = dims_of(plan, call)
-    if not plan.site(call.module).match.rule.position_wise:
-        return ((),) * len(dims)
+    """Per output of a rule site's call, the other dims whose size is B (for a position-wise rule, those before its
+    features): where the batch could be instead of where its rule reads it (time-major with T == B, a convolution
+    or an attention over the batch). A verifying pass under which one of them passes too (token masks that leave
+    each time step to one sample make time steps look like samples) cannot tell which is the batch, nor whether
+    the layer mixes samples: it decides nothing, and refuses the step where the layer computes across its rows or
+    the layout was learnt on this backward (`Verifying.undecidable`)."""
+    dims, position_wise = dims_of(plan, call), plan.site(call.module).match.rule.position_wise
     return tuple(
-        tuple(d for d in range(len(m.shape) - 1) if d != dim and m.shape[d] == batch)
+        tuple(d for d in range(len(m.shape) - position_wise) if d != dim and m.shape[d] == batch)
         for m, dim in zip(call.output_meta, dims, strict=True)
     )
 

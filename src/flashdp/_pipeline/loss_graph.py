@@ -83,7 +83,7 @@ class LossGraph:
             names = _DIM_ATTRIBUTES.get(kind)
             if names is None:
                 names = _dim_attributes(node)
-            operations.append((kind, tuple(inputs), tuple([getattr(node, n) for n in names]) if names else ()))
+            operations.append((kind, tuple(inputs), _dims(node, names) if names else ()))
         return parents, (len(operations), hash(tuple(operations))), number
 
     def reaches_loss(self, edge: GradientEdge) -> bool:
@@ -121,6 +121,13 @@ class LossGraph:
                 found.add(node)
                 pending.extend(consumer for consumer, _ in self.parents.get(node, ()))
         return found
+
+
+def _dims(node: Node, names: tuple[str, ...]) -> tuple:
+    """The dims `node`'s op saved, and the number of dims of its output: a saved `-2` is time in `[B, T, d]` and
+    the batch in `[B, d]` (a view that drops a size-1 time dim)."""
+    metadata = node._input_metadata
+    return (*(getattr(node, name) for name in names), len(metadata[0].shape) if metadata else None)
 
 
 #: per node type, the names of the dims its op saved (`_saved_dim`, `_saved_dims`, `_saved_dim0`, `_saved_keepdim`)

@@ -265,8 +265,8 @@ def _verify(
     """Verify the layout of `calls`' layers, learning from each failure that explains itself (a layer found not
     batch-first is covered again, which may make the self-check due): the verified pass, and whether the
     self-check is due."""
-    for _ in range(3 * len(calls) + 2):  # each finding teaches something new about one of the calls
-        outcome = _verifying_pass(parts, known, graph, calls, routed, keeps)
+    for attempt in range(3 * len(calls) + 2):  # each finding teaches something new about one of the calls
+        outcome = _verifying_pass(parts, known, graph, calls, routed, keeps, after_learning=attempt > 0)
         known = outcome.known
         if isinstance(outcome, _Verified):
             return outcome, checking
@@ -279,7 +279,13 @@ def _verify(
 
 
 def _verifying_pass(
-    parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], routed: routing.Routing, keeps: Keeps
+    parts: Parts,
+    known: Knowledge,
+    graph: LossGraph,
+    calls: list[Call],
+    routed: routing.Routing,
+    keeps: Keeps,
+    after_learning: bool,
 ) -> _Verified | _Finding:
     """One pass over the graph that sketches each call's output gradients, and the weighted pass compared with the
     sketches (see `_verdict`), under the routing above these calls. Where the norm pass keeps the graph anyway
@@ -293,7 +299,7 @@ def _verifying_pass(
         routed = routing.of(graph, known.plan, rule_calls, known.shared_sites)
     dims = [dims_of(known.plan, c) for c in rule_calls]
     others = [other_batch_dims(known.plan, c, batch) for c in rule_calls]
-    verifying = Verifying(rule_calls, dims, set(shared), batch, others)
+    verifying = Verifying(rule_calls, dims, set(shared), batch, others, after_learning)
     if aliased is not None:  # (raised once the layout is verified: learning it may move the parameter to an
         verifying.errors.append(aliased)  # enclosing generic rule, which counts it once)
     done = None
@@ -322,6 +328,9 @@ def _verdict(
             verifying.other_layouts,
         )  # fmt: skip
     found, learnt = learning.explain_failures(known, graph, calls, failing) if failing else (Found.VERIFIED, known)
+    undecidable = verifying.undecidable(known.plan) if found is Found.VERIFIED else None
+    if undecidable is not None:
+        verifying.errors.insert(0, undecidable)
     if found is Found.VERIFIED and verifying.errors:
         found = Found.REFUSED
     agreed = Found(max(parts.on_any_rank([found], loss.device)))

@@ -115,6 +115,11 @@ class RowSketch:
         floor = 1e-3 * self.norms.max() * weights  # (relative to the sample's own weight, not the largest)
         return bool((error > rtol * (scale + floor)).any())
 
+    def passes_with_rows(self, weighted: Tensor, shape: torch.Size, dim: int, weights: Tensor, rtol: float) -> bool:
+        """Whether the gradient has non-zero rows and passes (`fails`): evidence for this reading, where a zero
+        gradient (an output the loss does not read) passes any."""
+        return bool((self.norms > 0).any()) and not self.fails(weighted, shape, dim, weights, rtol)
+
     @property
     def every_sample_seen(self) -> bool:
         """Whether every sample's rows were non-zero: a sample whose rows are all zero shows nothing about which
@@ -148,10 +153,11 @@ def batch_independence_failures(
     generator: torch.Generator,
     users: UserGroups | None = None,
     other_layouts: OtherLayouts | None = None,
-) -> tuple[list[int], bool]:
+) -> tuple[list[int], list[int]]:
     """The calls (indices) some output of which has gradient rows that are not per-sample, or not per user where
     `users` are given (see the module docstring), from the sketches of the unweighted pass's output gradients; and
-    whether some output that passed passes in one of its `other_layouts` too (then its rows tell no layout apart).
+    the calls some output of which passed and passes in one of its `other_layouts` too (its rows tell no layout
+    apart).
     With fewer than 2 samples there is nothing to compare, but the pass still runs (FSDP ranks must run the same
     passes)."""
     dtypes = [loss.dtype, *(m.dtype for c in calls for m in c.output_meta)]
@@ -163,7 +169,7 @@ def batch_independence_failures(
         weighted_loss = loss * weights.to(loss.dtype)
     failing: list[int] = []
     passing_elsewhere: list[int] = []
-    others = other_layouts or {}
+    others = (other_layouts or {}) if users is None else {}  # (rows of one user share a weight: any dim passes)
 
     def compare(index: int, weighted: tuple[Tensor | None, ...]) -> None:
         """One call's weighted output gradients against its sketches, as the weighted pass computes them."""
@@ -176,11 +182,13 @@ def batch_independence_failures(
             if sketch.fails(grad, meta.shape, dim, weights, rtol):
                 failing.append(index)
                 return
-            if any(not other.fails(grad, meta.shape, d, weights, rtol) for d, other in others.get((index, j), ())):
+            if any(
+                other.passes_with_rows(grad, meta.shape, d, weights, rtol) for d, other in others.get((index, j), ())
+            ):
                 passing_elsewhere.append(index)
 
     stream_output_gradients(LossGraph(weighted_loss), list(calls), compare, held=(), retain_graph=True)
-    return sorted(failing), bool(passing_elsewhere)
+    return sorted(failing), sorted(set(passing_elsewhere))
 
 
 def _sample_matrices(grad: Tensor, shape: torch.Size, dim: int, batch: int) -> Tensor:

@@ -10,7 +10,7 @@ from flashdp._pipeline import self_check
 from flashdp._pipeline.collector import NormCollector
 from flashdp._pipeline.plan import GradientPlan
 from flashdp._pipeline.recorder import Call
-from flashdp.errors import another_rank_refused
+from flashdp.errors import FlashDPError, another_rank_refused
 
 
 @dataclass
@@ -27,11 +27,13 @@ class Verifying:
     batch: int
     #: each call's other dims of size B per output, where its layer could be learnt to read the batch
     other_dims: list[tuple[tuple[int, ...], ...]]
+    #: whether earlier passes of this backward learnt part of the layout (a layer time-major, not batch-first)
+    after_learning: bool = False
     sketches: list[tuple[self_check.RowSketch | None, ...]] = field(init=False)
     #: sketches of the outputs' gradients as read in their `other_dims`
     other_layouts: dict[tuple[int, int], tuple[tuple[int, self_check.RowSketch], ...]] = field(default_factory=dict)
-    #: set by the weighted pass: some output passed in one of its other dims too
-    passing_elsewhere: bool = False
+    #: the calls some output of which passed with its batch read in one of its other dims too
+    passing_elsewhere: list[int] = field(default_factory=list)
     errors: list[Exception] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -39,10 +41,20 @@ class Verifying:
 
     def decided(self) -> bool:
         """Whether the pass decides a layout for later steps: every sample has non-zero rows in every layer (a
-        sample padded out, or masked, shows nothing about whose rows are whose), and no output's rows also pass
-        as another dim's (time steps that masks leave to one sample each look like samples)."""
+        sample padded out, or masked, shows nothing about whose rows are whose), and no output's rows pass as
+        samples in another dim too (token masks that leave each time step to one sample)."""
         seen = all(sketch.every_sample_seen for sketches in self.sketches for sketch in sketches if sketch)
         return seen and not self.passing_elsewhere
+
+    def undecidable(self, plan: GradientPlan) -> FlashDPError | None:
+        """The refusal of a pass under which a layer's rows pass as samples in two dims, where this step's result
+        may rest on the wrong one: the layer computes across its rows (attention, convolution: over the true batch
+        if it is the other dim), or part of the layout was learnt on this backward (attention over the batch
+        explained as a time-major first layer). A position-wise layer's rows are counted alike under either dim."""
+        sites = [plan.site(self.calls[i].module) for i in self.passing_elsewhere]
+        if not (self.after_learning and sites) and all(site.match.rule.position_wise for site in sites):
+            return None
+        return undecidable_layout_error([site.label for site in sites])
 
     def keep(self, index: int, grads: tuple) -> None:
         shared = {j for i, j in self.shared if i == index}
@@ -73,6 +85,17 @@ def receiver(collector: NormCollector, verifying: Verifying | None):
             verifying.errors.append(error)
 
     return receive
+
+
+def undecidable_layout_error(labels: list[str]) -> FlashDPError:
+    """Layers whose output gradients pass as per-sample with the batch read in two dims of size B."""
+    return FlashDPError(
+        f"On this batch the output gradients of {', '.join(dict.fromkeys(labels))} pass as per-sample with the "
+        "batch read in either of two dims of size B (an output with the batch size in two dims, such as "
+        "time-major [T, B, ...] with T equal to B, whose loss reads each time step from one sample only, through "
+        "masks or padding): flashdp cannot tell which dim is the batch, nor whether samples mix. Nothing was added "
+        "to .grad. Skip this batch, or pad to a sequence length that differs from the batch size."
+    )
 
 
 def refusal(

@@ -851,3 +851,46 @@ def test_a_layer_computing_across_rows_that_pass_in_two_dims_is_refused(model_of
         self_check=None, refusals=True,
     )  # fmt: skip
     assert refused == list(range(len(batches)))
+
+
+class FlattenedTimeMajorHead(nn.Module):
+    """A head on time-major rows flattened to `[T * B, d]`: B * k rows, interleaved by sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x, mask):
+        batch, t = x.shape[:2]
+        rows = torch.tanh(self.a(x)).transpose(0, 1).reshape(t * batch, -1)
+        return self.head(rows).view(t, batch, -1).transpose(0, 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_folded_rows_that_pass_sample_major_and_interleaved_decide_nothing(mode):
+    """(Found by a breaker, older than this session.) T = 3, B = 2, masks that leave each block of T rows to one
+    sample: the sample-major reading passed, and the unmasked next step was trusted, 28% off. The interleaved
+    reading passes too: the pass decides nothing, and the next one learns the layout."""
+    torch.manual_seed(0)
+    masks = [[[1, 1, 0], [0, 1, 1]], [[1, 1, 1], [1, 1, 1]], [[1, 1, 1], [1, 1, 1]]]
+    batches = _masked_steps(FlattenedTimeMajorHead, masks)
+    check_steps(
+        FlattenedTimeMajorHead().double(), batches, _masks_loss, lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]),
+        [2, 2, 2], mode=mode, self_check=None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_shared_output_passing_as_rows_of_samples_decides_nothing(mode):
+    """(Found by a breaker, older than this session.) GPT-2's `[T, d]` position embedding with T = 2B, sample 0's
+    loss reading positions 0-1 and sample 1's positions 2-3: the embedding's rows passed as two per sample, and the
+    unmasked next step was trusted, 1.5% off. An output a later op broadcasts over the batch that passes as rows
+    decides nothing: the next pass learns it shared."""
+    torch.manual_seed(0)
+    masks = [[[1, 1, 0, 0], [0, 0, 1, 1]], [[1] * 4, [1] * 4], [[1] * 4, [1] * 4]]
+    generator = torch.Generator().manual_seed(4)
+    batches = [(torch.randint(0, 7, (2, 4), generator=generator), torch.tensor(m, dtype=torch.float64)) for m in masks]
+    check_steps(
+        Positions().double(), batches, lambda m, b: (m(b[0], True).square().sum(-1) * b[1]).sum(1),
+        lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]), [2, 2, 2], mode=mode, self_check=None,
+    )  # fmt: skip

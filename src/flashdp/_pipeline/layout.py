@@ -77,18 +77,30 @@ def _call_layout(plan: GradientPlan, call: CallShape, batch: int) -> tuple[int, 
     )
 
 
-def other_batch_dims(plan: GradientPlan, call: Call, batch: int) -> tuple[tuple[int, ...], ...]:
-    """Per output of a rule site's call, the other dims whose size is B (for a position-wise rule, those before its
-    features): where the batch could be instead of where its rule reads it (time-major with T == B, a convolution
-    or an attention over the batch). A verifying pass under which one of them passes too (token masks that leave
-    each time step to one sample make time steps look like samples) cannot tell which is the batch, nor whether
-    the layer mixes samples: it decides nothing, and refuses the step where the layer computes across its rows or
-    the layout was learnt on this backward (`Verifying.undecidable`)."""
+#: a reading of an output's gradient by sample: the shape it is viewed in, and the dim of that shape that is the batch
+Reading = tuple[torch.Size, int]
+
+
+def other_readings(plan: GradientPlan, call: Call, batch: int) -> tuple[tuple[Reading, ...], ...]:
+    """Per output of a rule site's call, the other places the batch could be than where its rule reads it: each
+    other dim of size B (for a position-wise rule, before its features: time-major with T == B, a convolution or
+    an attention over the batch), and for B * k rows read sample-major, the same rows read interleaved (a
+    time-major `[T, B, d]` flattened to `[T * B, d]`). A verifying pass under which one of them passes too (token
+    masks that leave each time step to one sample make time steps look like samples) cannot tell where the batch
+    is, nor whether the layer mixes samples: it decides nothing, and refuses the step where the layer computes
+    across its rows or the layout was learnt on this backward (`Verifying.undecidable`)."""
     dims, position_wise = dims_of(plan, call), plan.site(call.module).match.rule.position_wise
     return tuple(
-        tuple(d for d in range(len(m.shape) - position_wise) if d != dim and m.shape[d] == batch)
-        for m, dim in zip(call.output_meta, dims, strict=True)
+        _other_readings(m.shape, dim, batch, position_wise) for m, dim in zip(call.output_meta, dims, strict=True)
     )
+
+
+def _other_readings(shape: torch.Size, dim: int, batch: int, position_wise: bool) -> tuple[Reading, ...]:
+    readings = [(shape, d) for d in range(len(shape) - position_wise) if d != dim and shape[d] == batch]
+    rows = shape[dim] if dim < len(shape) else 0
+    if rows > batch and rows % batch == 0:  # (B * k rows: sample-major, or k blocks of B interleaved)
+        readings.append((torch.Size([*shape[:dim], rows // batch, batch, *shape[dim + 1 :]]), dim + 1))
+    return tuple(readings)
 
 
 def time_major_dim(plan: GradientPlan, call: Call, batch: int) -> int | None:

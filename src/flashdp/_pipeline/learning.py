@@ -12,7 +12,7 @@ from torch.autograd.graph import Node
 
 from flashdp._pipeline import coverage, shared_outputs
 from flashdp._pipeline.knowledge import Knowledge
-from flashdp._pipeline.layout import Ambiguous, lacks_batch, outputs, time_major_dim
+from flashdp._pipeline.layout import Ambiguous, Output, lacks_batch, outputs, time_major_dim
 from flashdp._pipeline.loss_graph import LossGraph
 from flashdp._pipeline.recorder import Call
 from flashdp.errors import FlashDPError
@@ -153,13 +153,27 @@ def _regions(call: Call) -> list[set[Node]]:
 def broadcast_though_fitting(known: Knowledge, graph: LossGraph, calls: list[Call]) -> list[Ambiguous]:
     """Rule site outputs whose size fits the batch (B, or B * k rows) but that a later op broadcasts over the
     batch: shared across the batch, or rows broadcast again; where no verifying pass can run, sizes cannot tell."""
+    return [
+        (known.plan.site(calls[out.call].module).label, out.meta.shape, [])
+        for out in _broadcast_though_fitting(known, graph, calls)
+    ]
+
+
+def calls_broadcast_though_fitting(known: Knowledge, graph: LossGraph, calls: list[Call]) -> list[int]:
+    """The calls (indices) with an output `broadcast_though_fitting`: one that passes a verifying pass as
+    per-sample rows does so only where the loss reads each of its rows from one sample (masks), and decides no
+    layout (GPT-2's `[T, d]` position embedding with T = 2B, each sample reading T / B positions of its own)."""
+    return sorted({out.call for out in _broadcast_though_fitting(known, graph, calls)})
+
+
+def _broadcast_though_fitting(known: Knowledge, graph: LossGraph, calls: list[Call]) -> list[Output]:
     batch = graph.loss.shape[0]
     found = []
     for out in outputs(known.plan, calls) if batch > 1 else ():
         call = calls[out.call]
         fits = not lacks_batch(out.meta.shape, out.dim, batch)
         if fits and id(call.module) not in known.shared_sites and graph.frontiers(call.edges[out.index], batch):
-            found.append((known.plan.site(call.module).label, out.meta.shape, []))
+            found.append(out)
     return found
 
 

@@ -27,7 +27,7 @@ from flashdp._pipeline.layout import (
     ambiguous,
     ambiguous_error,
     dims_of,
-    other_batch_dims,
+    other_readings,
     shapes_of,
     structure,
 )
@@ -298,7 +298,7 @@ def _verifying_pass(
     if batch > 1:
         routed = routing.of(graph, known.plan, rule_calls, known.shared_sites)
     dims = [dims_of(known.plan, c) for c in rule_calls]
-    others = [other_batch_dims(known.plan, c, batch) for c in rule_calls]
+    others = [other_readings(known.plan, c, batch) for c in rule_calls]
     verifying = Verifying(rule_calls, dims, set(shared), batch, others, after_learning)
     if aliased is not None:  # (raised once the layout is verified: learning it may move the parameter to an
         verifying.errors.append(aliased)  # enclosing generic rule, which counts it once)
@@ -328,6 +328,9 @@ def _verdict(
             verifying.other_layouts,
         )  # fmt: skip
     found, learnt = learning.explain_failures(known, graph, calls, failing) if failing else (Found.VERIFIED, known)
+    if found is Found.VERIFIED:  # (outputs a later op broadcasts over the batch, passing as per-sample rows)
+        broadcast = learning.calls_broadcast_though_fitting(known, graph, calls)
+        verifying.passing_elsewhere = sorted({*verifying.passing_elsewhere, *broadcast})
     undecidable = verifying.undecidable(known.plan) if found is Found.VERIFIED else None
     if undecidable is not None:
         verifying.errors.insert(0, undecidable)

@@ -140,8 +140,10 @@ def sketch_output_gradients(
     )
 
 
-#: per (call, output): other dims its batch could be read in, each with its sketch of the output's gradient
-OtherLayouts = Mapping[tuple[int, int], tuple[tuple[int, RowSketch], ...]]
+#: another reading of an output's gradient by sample (the shape it is viewed in, its batch dim) and its sketch
+OtherLayout = tuple[torch.Size, int, RowSketch]
+#: per (call, output): the other readings its batch could be in
+OtherLayouts = Mapping[tuple[int, int], tuple[OtherLayout, ...]]
 
 
 def batch_independence_failures(
@@ -182,9 +184,8 @@ def batch_independence_failures(
             if sketch.fails(grad, meta.shape, dim, weights, rtol):
                 failing.append(index)
                 return
-            if any(
-                other.passes_with_rows(grad, meta.shape, d, weights, rtol) for d, other in others.get((index, j), ())
-            ):
+            readings = others.get((index, j), ())
+            if any(other.passes_with_rows(grad, shape, d, weights, rtol) for shape, d, other in readings):
                 passing_elsewhere.append(index)
 
     stream_output_gradients(LossGraph(weighted_loss), list(calls), compare, held=(), retain_graph=True)
@@ -194,7 +195,7 @@ def batch_independence_failures(
 def _sample_matrices(grad: Tensor, shape: torch.Size, dim: int, batch: int) -> Tensor:
     """`[B, m, l]`: each sample's rows of an output gradient (row i, or the k rows of a batch folded into B * k
     rows) as one matrix, split between its dims where `B * m + l` is smallest; float32 at least."""
-    moved = grad.view(shape).movedim(dim, 0)
+    moved = grad.reshape(shape).movedim(dim, 0)
     sizes = [moved.shape[0] // batch, *moved.shape[1:]]
     splits = [(math.prod(sizes[:s]), math.prod(sizes[s:])) for s in range(len(sizes) + 1)]
     rows = moved.reshape(batch, *min(splits, key=lambda split: batch * split[0] + split[1]))

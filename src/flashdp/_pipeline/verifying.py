@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from flashdp._pipeline import self_check
 from flashdp._pipeline.collector import NormCollector
+from flashdp._pipeline.layout import Reading
 from flashdp._pipeline.plan import GradientPlan
 from flashdp._pipeline.recorder import Call
 from flashdp.errors import FlashDPError, another_rank_refused
@@ -25,13 +26,13 @@ class Verifying:
     #: (call, output) indices of outputs shared across the batch
     shared: set[tuple[int, int]]
     batch: int
-    #: each call's other dims of size B per output, where its layer could be learnt to read the batch
-    other_dims: list[tuple[tuple[int, ...], ...]]
+    #: each call's other readings per output (`layout.other_readings`): where else the batch could be
+    other_readings: list[tuple[tuple[Reading, ...], ...]]
     #: whether earlier passes of this backward learnt part of the layout (a layer time-major, not batch-first)
     after_learning: bool = False
     sketches: list[tuple[self_check.RowSketch | None, ...]] = field(init=False)
-    #: sketches of the outputs' gradients as read in their `other_dims`
-    other_layouts: dict[tuple[int, int], tuple[tuple[int, self_check.RowSketch], ...]] = field(default_factory=dict)
+    #: sketches of the outputs' gradients in their `other_readings`
+    other_layouts: dict[tuple[int, int], tuple[self_check.OtherLayout, ...]] = field(default_factory=dict)
     #: the calls some output of which passed with its batch read in one of its other dims too
     passing_elsewhere: list[int] = field(default_factory=list)
     errors: list[Exception] = field(default_factory=list)
@@ -62,11 +63,11 @@ class Verifying:
         self.sketches[index] = self_check.sketch_output_gradients(
             call, grads, self.dims[index], self.batch, shared, seed=index
         )
-        for j, (dims, sketch) in enumerate(zip(self.other_dims[index], self.sketches[index], strict=True)):
-            if dims and sketch is not None:
+        for j, (readings, sketch) in enumerate(zip(self.other_readings[index], self.sketches[index], strict=True)):
+            if readings and sketch is not None:
                 self.other_layouts[(index, j)] = tuple(
-                    (d, self_check.RowSketch.of(grads[j], call.output_meta[j].shape, d, self.batch, sketch.seed))
-                    for d in dims
+                    (shape, d, self_check.RowSketch.of(grads[j], shape, d, self.batch, sketch.seed))
+                    for shape, d in readings
                 )
 
 

@@ -878,19 +878,3 @@ def test_folded_rows_that_pass_sample_major_and_interleaved_decide_nothing(mode)
         FlattenedTimeMajorHead().double(), batches, _masks_loss, lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]),
         [2, 2, 2], mode=mode, self_check=None,
     )  # fmt: skip
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_a_shared_output_passing_as_rows_of_samples_decides_nothing(mode):
-    """(Found by a breaker, older than this session.) GPT-2's `[T, d]` position embedding with T = 2B, sample 0's
-    loss reading positions 0-1 and sample 1's positions 2-3: the embedding's rows passed as two per sample, and the
-    unmasked next step was trusted, 1.5% off. An output a later op broadcasts over the batch that passes as rows
-    decides nothing: the next pass learns it shared."""
-    torch.manual_seed(0)
-    masks = [[[1, 1, 0, 0], [0, 0, 1, 1]], [[1] * 4, [1] * 4], [[1] * 4, [1] * 4]]
-    generator = torch.Generator().manual_seed(4)
-    batches = [(torch.randint(0, 7, (2, 4), generator=generator), torch.tensor(m, dtype=torch.float64)) for m in masks]
-    check_steps(
-        Positions().double(), batches, lambda m, b: (m(b[0], True).square().sum(-1) * b[1]).sum(1),
-        lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]), [2, 2, 2], mode=mode, self_check=None,
-    )  # fmt: skip

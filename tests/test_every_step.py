@@ -878,3 +878,35 @@ def test_folded_rows_that_pass_sample_major_and_interleaved_decide_nothing(mode)
         FlattenedTimeMajorHead().double(), batches, _masks_loss, lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]),
         [2, 2, 2], mode=mode, self_check=None,
     )  # fmt: skip
+
+
+class TimeMajorIntoRecurrent(nn.Module):
+    """A Linear called time-major (`[T, B, 5]`) into a frozen 2-layer time-major RNN, its last layer's state read:
+    the states of the layers are stacked into `[L, B, H]`, with L == B == 2 a stack that looked like the Linear's
+    output broadcast over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.front, self.rnn, self.head = nn.Linear(5, 3), nn.RNN(3, 4, num_layers=2), nn.Linear(4, 2)
+        for p in [*self.rnn.parameters(), *self.head.parameters()]:
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(self.rnn(self.front(x.transpose(0, 1)))[1][-1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stack_of_layer_states_is_not_taken_for_a_broadcast_over_the_batch(mode):
+    """(Found by a breaker, older than this session: the Linear's output, lacking the batch in dim 0, was taken as
+    shared, and its per-sample gradients were taken where the stack of the RNN's layer states seemed to add the
+    batch: the layers' dim; 44-150% off with the self-check off.) A stack of tensors shaped alike, none carrying
+    the batch, broadcasts nothing."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(2, t, 5, generator=generator, dtype=torch.float64), torch.randint(0, 2, (2,), generator=generator))
+        for t in (3, 2, 1, 3)
+    ]
+    check_steps(
+        TimeMajorIntoRecurrent().double(), batches, lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"),
+        lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]), [2] * 4, mode=mode, self_check=None, max_grad_norm=0.01,
+    )  # fmt: skip

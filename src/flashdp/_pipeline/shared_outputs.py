@@ -85,9 +85,9 @@ def outside_frontiers(
             return None  # the loss itself, or too far up
         for consumer, _ in consumers:
             carrying = [j for j, m in enumerate(consumer._input_metadata) if _introduces_batch(ours, m.shape, batch)]
-            if carrying:
+            slots = tuple(s for s, child in enumerate(consumer.next_functions) if child == (node, output_nr))
+            if carrying and _broadcasts(consumer, slots, consumer._input_metadata[carrying[0]].shape, batch):
                 if consumer not in inside:
-                    slots = tuple(s for s, child in enumerate(consumer.next_functions) if child == (node, output_nr))
                     found.append(Frontier(consumer, carrying[0], slots, (node, output_nr)))
             else:
                 pending += [(consumer, j, depth + 1) for j in range(len(consumer._input_metadata))]
@@ -107,6 +107,25 @@ def _introduces_batch(ours: torch.Size, theirs: torch.Size, batch: int) -> bool:
         return False
     grown = [d for d in range(len(theirs)) if d < offset or (ours[d - offset] == 1 and theirs[d] != 1)]
     return 0 in grown and sum(theirs[d] == batch for d in grown) == 1
+
+
+def _broadcasts(consumer: Node, slots: tuple[int, ...], theirs: torch.Size, batch: int) -> bool:
+    """Whether the op can be a broadcast of its input at `slots` over the batch of its output `theirs`: it takes
+    that input alone (an expand, a repeat), or another input may carry the batch (an addition to the tokens'
+    embeddings). Not a stack or a concatenation of tensors shaped alike, none with the batch (layers' states
+    stacked into `[L, B, H]` with L == B: the new dim is the layers, and the batch is in theirs already), nor
+    anything whose other inputs are all known and batch-free. An input that needs no gradient is not seen (no
+    edge): it may carry the batch."""
+    others = [child for s, child in enumerate(consumer.next_functions) if s not in slots]
+    if not others:
+        return True
+    for node, output_nr in others:
+        if node is None:
+            return True
+        shape = node._input_metadata[output_nr].shape
+        if len(shape) == len(theirs) and shape[0] == batch:
+            return True
+    return False
 
 
 @contextlib.contextmanager

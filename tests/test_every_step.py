@@ -910,3 +910,19 @@ def test_a_stack_of_layer_states_is_not_taken_for_a_broadcast_over_the_batch(mod
         TimeMajorIntoRecurrent().double(), batches, lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none"),
         lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]), [2] * 4, mode=mode, self_check=None, max_grad_norm=0.01,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_shared_output_passing_as_rows_of_samples_decides_nothing(mode):
+    """(Found by a breaker, older than this session.) GPT-2's `[T, d]` position embedding with T = 2B, sample 0's
+    loss reading positions 0-1 and sample 1's positions 2-3: the embedding's rows passed as two per sample, and the
+    unmasked next step was trusted, 1.5% off. An output a later op broadcasts over the batch that passes as rows
+    decides nothing: the next pass learns it shared."""
+    torch.manual_seed(0)
+    masks = [[[1, 1, 0, 0], [0, 0, 1, 1]], [[1] * 4, [1] * 4], [[1] * 4, [1] * 4]]
+    generator = torch.Generator().manual_seed(4)
+    batches = [(torch.randint(0, 7, (2, 4), generator=generator), torch.tensor(m, dtype=torch.float64)) for m in masks]
+    check_steps(
+        Positions().double(), batches, lambda m, b: (m(b[0], True).square().sum(-1) * b[1]).sum(1),
+        lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]), [2, 2, 2], mode=mode, self_check=None,
+    )  # fmt: skip

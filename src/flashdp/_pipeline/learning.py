@@ -159,6 +159,13 @@ def broadcast_though_fitting(known: Knowledge, graph: LossGraph, calls: list[Cal
     ]
 
 
+def calls_broadcast_though_fitting(known: Knowledge, graph: LossGraph, calls: list[Call]) -> list[int]:
+    """The calls (indices) with an output `broadcast_though_fitting`: one that passes a verifying pass as
+    per-sample rows does so only where the loss reads each of its rows from one sample (masks), and decides no
+    layout (GPT-2's `[T, d]` position embedding with T = 2B, each sample reading T / B positions of its own)."""
+    return sorted({out.call for out in _broadcast_though_fitting(known, graph, calls)})
+
+
 def _broadcast_though_fitting(known: Knowledge, graph: LossGraph, calls: list[Call]) -> list[Output]:
     batch = graph.loss.shape[0]
     found = []

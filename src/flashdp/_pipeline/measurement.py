@@ -328,6 +328,9 @@ def _verdict(
             verifying.other_layouts,
         )  # fmt: skip
     found, learnt = learning.explain_failures(known, graph, calls, failing) if failing else (Found.VERIFIED, known)
+    if found is Found.VERIFIED:  # (outputs a later op broadcasts over the batch, passing as per-sample rows)
+        broadcast = learning.calls_broadcast_though_fitting(known, graph, calls)
+        verifying.passing_elsewhere = sorted({*verifying.passing_elsewhere, *broadcast})
     undecidable = verifying.undecidable(known.plan) if found is Found.VERIFIED else None
     if undecidable is not None:
         verifying.errors.insert(0, undecidable)

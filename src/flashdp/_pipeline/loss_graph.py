@@ -139,9 +139,8 @@ def _dim_attributes(node: Node) -> tuple[str, ...]:
     `transpose(dim0, dim1)`, `cat(dim)`, `sum(dim, keepdim)`...): a step that flips, sums or concatenates along
     another dim with the same ops is another structure. Not the op's other arguments, which may be sizes (a
     slice's end, a split's size: a new structure on every sequence length) or shifts."""
-    kind = type(node)
-    if kind not in _DIM_ATTRIBUTES:
-        _DIM_ATTRIBUTES[kind] = tuple(
-            a for a in dir(node) if a.startswith("_saved_") and "dim" in a and not isinstance(getattr(node, a), Tensor)
-        )
-    return _DIM_ATTRIBUTES[kind]
+    names = tuple(
+        a for a in dir(node) if a.startswith("_saved_") and "dim" in a and not isinstance(getattr(node, a), Tensor)
+    )
+    _DIM_ATTRIBUTES[type(node)] = names
+    return names

@@ -9,9 +9,10 @@ from torch import Tensor, nn
 from flashdp._pipeline.profiling import PhaseTimer
 from flashdp.distributed.base import Adapter
 from flashdp.distributed.checks import for_backend
+from flashdp.privacy.keyed import KEY_BITS
 
-#: 32-bit words of a noise seed sent from the first rank: a secret key's 256 bits (`privacy.keyed.KEY_BITS`)
-_SEED_WORDS = 8
+#: 32-bit words of a noise seed sent from the first rank: a secret key's bits
+_SEED_WORDS = KEY_BITS // 32
 
 
 class DDPAdapter(Adapter):

@@ -50,12 +50,7 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
             inputs[i] = x  # its rows: a batch of 1, or the k rows of a batch folded into rows
         args, kwargs = tree_unflatten(inputs, spec)
 
-        def outputs_of(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
-            out = functional_call(call.module, {**call.frozen, **p}, args, kwargs)
-            out = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
-            return tuple(out[slot] for slot in output_slots)
-
-        outputs, pullback = vjp(outputs_of, params)
+        outputs, pullback = vjp(lambda p: _outputs(call, p, (args, kwargs), output_slots), params)
         (grads,) = pullback(sample_cotangents)
         return grads, outputs
 
@@ -80,11 +75,18 @@ def _batch_outputs(
     forward kept none (a module that became a generic rule site on this backward, recorded as a scope). Without
     it, a module whose samples' outputs depend on each other (rows flipped over the batch) would be counted as
     if each ran alone, checked by nothing but the self-check's few samples."""
-    args, kwargs = inputs
     with autocast_like(call), torch.no_grad():
-        out = functional_call(call.module, {**call.frozen, **params}, args, kwargs)
+        return list(_outputs(call, params, inputs, slots))
+
+
+def _outputs(
+    call: LayerCall, params: dict[str, Tensor], inputs: tuple[tuple, dict], slots: tuple[int, ...]
+) -> tuple[Tensor, ...]:
+    """The module's tensor outputs at `slots`, run with `params` over its frozen tensors."""
+    args, kwargs = inputs
+    out = functional_call(call.module, {**call.frozen, **params}, args, kwargs)
     out = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
-    return [out[slot] for slot in slots]
+    return tuple(out[slot] for slot in slots)
 
 
 def _vmap_error(label: str, error: Exception) -> FlashDPError:

@@ -116,6 +116,8 @@ class NormCollector:
         if all(g is None for g in grads):
             self._unreached.append(call)  # (checked at the end: an output modified in place hides its gradient)
         else:
+            if call.input_modified():
+                raise call.input_modified_error(site.label)
             dims = check_call(site, call, grads, index, self.batch, self._shared)
             per_sample = self._per_sample(index, site, call, grads, dims)
             for name, key in keys.items():

@@ -143,6 +143,7 @@ def measure(
     # checkpointed region, its inputs and output's node would keep each pass's recomputation). One whose output was
     # modified in place is kept: the norm pass refuses it, its gradient hidden.
     calls[:] = [c for c in calls if any(graph.reads(edge) for edge in c.edges) or c.modified_in_place()]
+    refusal = refusal or _modified_inputs(known.plan, calls)
     shapes, placed = shapes_of(calls), graph.places(e for c in calls for e in (c.edges, c.input_edges))
     checking = known.self_check.due(index)
     if checking:
@@ -174,6 +175,14 @@ def measure(
     if batch > 1 and verified.decided and (verify or new_structure):
         known = _verified(known, shapes, graph, placed, verified.routed)
     return measurement, known
+
+
+def _modified_inputs(plan: GradientPlan, calls: list[Call]) -> FlashDPError | None:
+    """The refusal of a call whose input was modified in place since (the rules read the inputs as they are now),
+    found before any pass: the checks' passes would meet autograd's own version check, or not where it saved a
+    copy. The norm pass checks again as each rule runs."""
+    modified = next((c for c in calls if c.input_modified()), None)
+    return None if modified is None else modified.input_modified_error(plan.site(modified.module).label)
 
 
 def _agreed(

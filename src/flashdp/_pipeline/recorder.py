@@ -55,6 +55,9 @@ class Call:
     was_modified: bool = False
     #: the tensors among args and kwargs are `_Packed` (see `unpacked`)
     packed: bool = False
+    #: each tensor input held as it was, with its version as the call returned (none for packed inputs: autograd's
+    #: hooks hold or recompute them): the rules read them in the backward
+    watched_inputs: tuple[tuple[Tensor, int], ...] = ()
 
     @property
     def inputs(self) -> tuple:
@@ -65,6 +68,10 @@ class Call:
         return self.was_modified or any(
             o is not None and o._version != v for o, v in zip(self.outputs, self.output_versions, strict=True)
         )
+
+    def input_modified(self) -> bool:
+        """Whether a tensor input was modified in place after the call (its values are then not the call's)."""
+        return any(t._version != version for t, version in self.watched_inputs)
 
     def unpacked(self) -> Call:
         """This call with its inputs as tensors. A call made where autograd's saved-tensor hooks are set keeps its
@@ -102,6 +109,15 @@ class Call:
             f"The output of layer {label} was modified in place after the layer returned it (e.g. "
             "ReLU(inplace=True) or `out += x`), which hides its gradient. Make that operation out of place "
             "(inplace=False, `out = out + x`; flashdp.fix_model(model) turns off inplace=True on every module)."
+        )
+
+    def input_modified_error(self, label: str) -> FlashDPError:
+        return FlashDPError(
+            f"An input of layer {label} was modified in place after the layer ran (e.g. `r.add_(...)` or "
+            "`r[mask] = ...` on the tensor it read, or on a view of it; autograd may not notice where it saved a copy "
+            "of its own). flashdp computes the layer's per-sample gradients from its inputs in the backward, so it "
+            "would read the new values. Make that operation out of place (`r = r + ...`), or call the layer on a "
+            "copy (`layer(r.clone())`)."
         )
 
 
@@ -209,10 +225,12 @@ class Recorder:
             return
         self._on_call()
         outputs = [leaves[i] for i in slots]
-        inputs = [t for t in _tensor_leaves(args) + _tensor_leaves(kwargs) if t.requires_grad]
-        input_edges = tuple(_edge(t) for t in inputs)
+        tensor_inputs = _tensor_leaves(args) + _tensor_leaves(kwargs)
+        input_edges = tuple(_edge(t) for t in tensor_inputs if t.requires_grad)
+        watched = tuple((t, t._version) for t in tensor_inputs)
         if hooks is not None:  # (inside a checkpointed region, or one offloading its saved tensors)
             args, kwargs = _packed((args, kwargs), hooks)
+            watched = ()
         counting = site.match is not None
         params = {name: attribute(module, name) for name in site.trainable}
         frozen: dict[str, Tensor] = {}
@@ -234,6 +252,7 @@ class Recorder:
                 autocast=_autocast_state(outputs[0].device.type),
                 rng_state=rng,
                 packed=hooks is not None,
+                watched_inputs=watched,
             )
         )
 

@@ -98,8 +98,17 @@ class GradientPlan:
 
     def with_scale(self, module: nn.Module, scale: float) -> GradientPlan:
         """The plan with `module`'s registered rule applied to `scale` times its output gradient (its forward
-        computes that multiple of the rule's)."""
-        return self._rebuilt(scales=self.learnt.scales | {id(module): scale})
+        computes that multiple of the rule's). Only that site's match changes (what `_plan` would rebuild from
+        `learnt.scales`): rebuilt whole, a model of N such modules paid N rebuilds of every site on its first
+        forward."""
+        here = id(module)
+        site = self.sites[here]
+        match = replace(site.match, verify_with=None, output_scale=scale)
+        return replace(
+            self,
+            sites={**self.sites, here: replace(site, match=match)},
+            learnt=replace(self.learnt, scales=self.learnt.scales | {here: scale}),
+        )
 
     def with_batch_dims(self, dims: dict[nn.Module, int]) -> GradientPlan:
         """The plan with these modules' position-wise rules told that their calls have the batch in another dim."""

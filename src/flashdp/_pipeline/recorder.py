@@ -501,10 +501,15 @@ def _scale_between(output: object, expected: object) -> float | None:
     """The constant c with output = c * expected, within the forward check's tolerance, or None."""
     if not isinstance(output, Tensor) or not isinstance(expected, Tensor) or expected.shape != output.shape:
         return None
-    out, ref = output.double(), expected.double()
-    scale = float((out * ref).sum() / (ref * ref).sum().clamp_min(1e-300))
+    # in the outputs' dtype, at least float32 (float64 copies of a batch's outputs cost more than the layer's forward)
+    dtype = torch.promote_types(torch.promote_types(output.dtype, expected.dtype), torch.float32)
+    out, ref = output.reshape(-1).to(dtype), expected.reshape(-1).to(dtype)
+    scale = float(torch.dot(out, ref) / torch.dot(ref, ref).clamp_min(torch.finfo(dtype).tiny))
+    if not math.isfinite(scale):
+        return None
+    residual = torch.linalg.vector_norm(torch.add(out, ref, alpha=-scale))
+    error = float(residual / torch.linalg.vector_norm(out).clamp_min(torch.finfo(dtype).tiny))
     tolerance = _FORWARD_CHECK_TOLERANCE.get(rounding_dtype(output), 3e-2)
-    error = (out - scale * ref).norm() / out.norm().clamp_min(1e-30)
-    if not (bool(error <= tolerance) and scale != 0 and math.isfinite(scale)):
+    if not (error <= tolerance and scale != 0 and math.isfinite(scale)):
         return None
     return 1.0 if abs(scale - 1) <= tolerance else scale

@@ -969,3 +969,36 @@ def test_the_same_update_out_of_place_is_exact_on_every_step(mode):
         UpdatesItsInput("out of place").double(), batches, lambda m, x: m(x).square().sum(1), _rows, [4, 3, 4],
         mode=mode, max_grad_norm=0.1,
     )  # fmt: skip
+
+
+class Shift(nn.Module):
+    """`x * w + b` elementwise: no rule of its own, the generic rule counts it (re-running its forward)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(width)), nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        return x * self.w + self.b
+
+
+def _shift_then_relu() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 5), Shift(5), nn.ReLU(inplace=True), nn.Linear(5, 3)).double()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_generic_layer_whose_output_an_inplace_relu_overwrites_is_refused_naming_the_fix(mode):
+    """(A breaker's false refusal, older than this session: the generic rule's check of its recomputation against
+    the overwritten output failed, and the message blamed randomness, state or mixing samples.) The message names
+    the in-place op and `fix_model`, after which the model trains exactly."""
+    torch.manual_seed(0)
+    model = _shift_then_relu()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=0.1, noise_multiplier=0.0)
+    with pytest.raises(FlashDPError, match=r"'1' \(Shift\) was modified in place.*fix_model"):
+        engine.backward(model(torch.randn(4, 5, dtype=torch.float64)).square().sum(1))
+    engine.detach()
+    batches = [torch.randn(b, 5, dtype=torch.float64) for b in (4, 3, 4)]
+    check_steps(
+        flashdp.fix_model(model), batches, lambda m, x: m(x).square().sum(1), _rows, [4, 3, 4], mode=mode,
+        max_grad_norm=0.1,
+    )  # fmt: skip

@@ -104,11 +104,11 @@ class Call:
             was_modified=self.modified_in_place(),
         )
 
-    def hidden_by_in_place_error(self, label: str) -> FlashDPError:
+    def hidden_by_in_place_error(self, label: str, why: str = "which hides its gradient") -> FlashDPError:
         return FlashDPError(
             f"The output of layer {label} was modified in place after the layer returned it (e.g. "
-            "ReLU(inplace=True) or `out += x`), which hides its gradient. Make that operation out of place "
-            "(inplace=False, `out = out + x`; flashdp.fix_model(model) turns off inplace=True on every module)."
+            f"ReLU(inplace=True) or `out += x`), {why}. Make that operation out of place (inplace=False, "
+            "`out = out + x`; flashdp.fix_model(model) turns off inplace=True on every module)."
         )
 
     def input_modified_error(self, label: str) -> FlashDPError:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.nn.utils import parametrizations
+from torch.nn.utils import parametrizations, parametrize, prune
 
 import flashdp
 from flashdp import FlashDPError
@@ -1002,3 +1002,27 @@ def test_a_generic_layer_whose_output_an_inplace_relu_overwrites_is_refused_nami
         flashdp.fix_model(model), batches, lambda m, x: m(x).square().sum(1), _rows, [4, 3, 4], mode=mode,
         max_grad_norm=0.1,
     )  # fmt: skip
+
+
+def test_a_pruned_layer_is_refused_naming_pruning_and_the_parametrization_that_works():
+    """(A breaker's finding: the message spoke of the legacy weight_norm only.) A pruning mask as a parametrization
+    trains exactly."""
+    torch.manual_seed(0)
+    pruned = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    prune.l1_unstructured(pruned[0], "weight", amount=0.5)
+    engine = flashdp.make_private(pruned, max_grad_norm=1.0, noise_multiplier=0.0)
+    with engine, pytest.raises(FlashDPError, match=r"weight_orig.*prune.*register_parametrization"):
+        engine.backward(_sum_loss(pruned, torch.randn(3, 3, dtype=torch.float64)))
+
+    class Mask(nn.Module):
+        def __init__(self, mask: torch.Tensor) -> None:
+            super().__init__()
+            self.register_buffer("mask", mask)
+
+        def forward(self, weight):
+            return weight * self.mask
+
+    masked = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    parametrize.register_parametrization(masked[0], "weight", Mask(pruned[0].weight_mask.clone()))
+    batches = [torch.randn(b, 3, dtype=torch.float64) for b in (3, 2, 3)]
+    check_steps(masked, batches, _sum_loss, _rows, [3, 2, 3], max_grad_norm=0.1)

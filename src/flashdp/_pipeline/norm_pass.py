@@ -192,9 +192,12 @@ def per_sample_gradients(
     if missing:
         raise FlashDPError(
             f"Rule {site.match.rule.name} returned no per-sample gradient for {sorted(missing)} of layer {site.label}: "
-            "the layer holds parameters its rule does not know (the legacy torch.nn.utils.weight_norm registers "
-            "weight_g and weight_v and computes weight in a pre-hook). Use torch.nn.utils.parametrizations.weight_norm "
-            "(or another torch parametrization), or register a rule for the layer with flashdp.register_rule(...)."
+            "the layer holds parameters its rule does not know, from which a forward pre-hook computes the weight it "
+            "uses (as torch.nn.utils.prune does with weight_orig, and the legacy torch.nn.utils.weight_norm with "
+            "weight_g and weight_v). Express that computation as a torch parametrization "
+            "(torch.nn.utils.parametrizations.weight_norm; a pruning mask as a module multiplying the weight, with "
+            "torch.nn.utils.parametrize.register_parametrization), or register a rule for the layer with "
+            "flashdp.register_rule(...)."
         )
     return per_sample
 

@@ -316,7 +316,7 @@ def _ignore(*_: object) -> None:
     return None
 
 
-_PLAIN = (Tensor, int, float, bool, str, type(None))
+_PLAIN_LEAVES = (Tensor, int, float, bool, str, type(None))
 
 
 def _tensor_leaves(tree: object) -> list[Tensor]:
@@ -326,7 +326,7 @@ def _tensor_leaves(tree: object) -> list[Tensor]:
         return [tree]
     if type(tree) in (tuple, list, dict) and not tree:
         return []
-    if type(tree) in (tuple, list) and all(isinstance(x, _PLAIN) for x in tree):
+    if type(tree) in (tuple, list) and all(isinstance(x, _PLAIN_LEAVES) for x in tree):
         return [x for x in tree if isinstance(x, Tensor)]
     return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]
 
@@ -437,7 +437,7 @@ def _probe_scale(site: Site, inputs: tuple) -> float | None:
 
 
 #: attribute values a module's probe verdict may be keyed on (anything else: the module is probed alone)
-_PLAIN = (bool, int, float, str, type(None))
+_PLAIN_ATTRIBUTES = (bool, int, float, str, type(None))
 
 
 def _probe_key(site: Site, inputs: tuple) -> Hashable | None:
@@ -451,7 +451,7 @@ def _probe_key(site: Site, inputs: tuple) -> Hashable | None:
     if frozen or kept or next(module.children(), None) is not None:
         return None
     attributes = {k: v for k, v in vars(module).items() if not k.startswith("_")}
-    if not all(isinstance(v, _PLAIN) for v in attributes.values()):
+    if not all(isinstance(v, _PLAIN_ATTRIBUTES) for v in attributes.values()):
         return None
     params = tuple((name, tuple(attribute(module, name).shape)) for name in sorted(site.trainable))
     shapes = tuple(

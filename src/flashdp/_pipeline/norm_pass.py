@@ -220,8 +220,6 @@ def _run_rule(
             dim = site.match.batch_dim
             grad_output, inputs = grad_output.movedim(dim, 0), tuple(_batch_first(x, dim, batch) for x in inputs)
         return rule.per_sample_grads(call.module, inputs, grad_output, frozenset(site.trainable))
-    if call.modified_in_place():  # (a re-run of the module would be weaker evidence: its state may have moved)
-        raise call.hidden_by_in_place_error(site.label, _CHANGED_RECORD)
     params = {
         name: call.params[name] if name in call.params else attribute(call.module, name) for name in site.trainable
     }
@@ -242,13 +240,6 @@ def _run_rule(
         label=site.label,
     )
     return rule.per_sample_grads(layer_call)
-
-
-#: why a per-call rule refuses a call whose output was modified in place
-_CHANGED_RECORD = (
-    "and its rule (which recomputes the layer's forward) checks its recomputation against the output as the layer "
-    "returned it"
-)
 
 
 def _rows_per_sample(call: Call, dims: tuple[int, ...], batch: int, shared: dict[int, Tensor]) -> int:

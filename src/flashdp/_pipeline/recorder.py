@@ -5,6 +5,7 @@ outputs and the parameters its rule counts, as the module held them during the c
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, replace
 
@@ -55,9 +56,9 @@ class Call:
     was_modified: bool = False
     #: the tensors among args and kwargs are `_Packed` (see `unpacked`)
     packed: bool = False
-    #: each tensor input held as it was, with its version as the call returned (none for packed inputs: autograd's
-    #: hooks hold or recompute them): the rules read them in the backward
-    watched_inputs: tuple[tuple[Tensor, int], ...] = ()
+    #: each tensor input (in `_tensor_leaves` order of args, then kwargs), weakly referenced, with its version as the
+    #: call returned: the rules read the inputs in the backward
+    watched_inputs: tuple[tuple[weakref.ref, int], ...] = ()
 
     @property
     def inputs(self) -> tuple:
@@ -70,8 +71,17 @@ class Call:
         )
 
     def input_modified(self) -> bool:
-        """Whether a tensor input was modified in place after the call (its values are then not the call's)."""
-        return any(t._version != version for t, version in self.watched_inputs)
+        """Whether a tensor input the rules will read is the call's own tensor, modified in place since the call
+        returned (its values are then not the call's). Inputs packed by saved-tensor hooks are known once unpacked:
+        a hook may hand back the tensor itself (an identity hook, `save_on_cpu` on the CPU) or a copy or
+        recomputation made in the forward's image (a checkpointed region), which no later change reaches."""
+        if self.packed:
+            return False
+        leaves = _tensor_leaves(self.args) + _tensor_leaves(self.kwargs)
+        return any(
+            t is held() and t._version != version
+            for t, (held, version) in zip(leaves, self.watched_inputs, strict=True)
+        )
 
     def unpacked(self) -> Call:
         """This call with its inputs as tensors. A call made where autograd's saved-tensor hooks are set keeps its
@@ -104,11 +114,11 @@ class Call:
             was_modified=self.modified_in_place(),
         )
 
-    def hidden_by_in_place_error(self, label: str, why: str = "which hides its gradient") -> FlashDPError:
+    def hidden_by_in_place_error(self, label: str) -> FlashDPError:
         return FlashDPError(
             f"The output of layer {label} was modified in place after the layer returned it (e.g. "
-            f"ReLU(inplace=True) or `out += x`), {why}. Make that operation out of place (inplace=False, "
-            "`out = out + x`; flashdp.fix_model(model) turns off inplace=True on every module)."
+            "ReLU(inplace=True) or `out += x`), which hides its gradient. Make that operation out of place "
+            "(inplace=False, `out = out + x`; flashdp.fix_model(model) turns off inplace=True on every module)."
         )
 
     def input_modified_error(self, label: str) -> FlashDPError:
@@ -227,10 +237,9 @@ class Recorder:
         outputs = [leaves[i] for i in slots]
         tensor_inputs = _tensor_leaves(args) + _tensor_leaves(kwargs)
         input_edges = tuple(_edge(t) for t in tensor_inputs if t.requires_grad)
-        watched = tuple((t, t._version) for t in tensor_inputs)
+        watched = tuple((weakref.ref(t), t._version) for t in tensor_inputs)
         if hooks is not None:  # (inside a checkpointed region, or one offloading its saved tensors)
             args, kwargs = _packed((args, kwargs), hooks)
-            watched = ()
         counting = site.match is not None
         params = {name: attribute(module, name) for name in site.trainable}
         frozen: dict[str, Tensor] = {}

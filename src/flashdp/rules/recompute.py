@@ -88,7 +88,9 @@ def check_recomputed(label: str, recorded: Tensor | None, again: Tensor, how: st
 def _recomputed_differently(label: str, how: str, error: Tensor) -> FlashDPError:
     return FlashDPError(
         f"flashdp recomputed {label}'s output {how} and got another result (relative difference "
-        f"{float(error):.2g}). The evidence cannot tell these causes apart: (1) its forward is random (dropout in "
+        f"{float(error):.2g}). The evidence cannot tell these causes apart: (0) its output was modified in place "
+        "after it returned (ReLU(inplace=True), `out += x`): make that operation out of place (flashdp.fix_model("
+        "model) turns off inplace=True on every module); (1) its forward is random (dropout in "
         "training mode): make it deterministic (eval(), or dropout 0); (2) it keeps state between calls: reset "
         "it, or freeze its parameters; (3) it mixes samples: compute each sample's output from that sample "
         "alone; (4) an input that is not per-sample has the batch size B in its first dim by coincidence (a "

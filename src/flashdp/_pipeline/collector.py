@@ -11,8 +11,8 @@ would.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,13 +20,13 @@ from flashdp._pipeline.norm_pass import OutputGrads, check_call, per_sample_grad
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice
 from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.plan import GradientPlan, Site
-from flashdp._pipeline.recorder import Call, Recorder
+from flashdp._pipeline.recorder import Call, Recorder, as_called
 from flashdp._pipeline.shared_outputs import SharedOutput
 from flashdp._pipeline.users import UserGroups
 from flashdp.errors import FlashDPError
 from flashdp.kernels import Backend
 from flashdp.kernels import backend as kernels_backend
-from flashdp.per_sample import PerSampleGrad
+from flashdp.per_sample import DeferredOuterGrad, PerSampleGrad
 from flashdp.rules.recompute import DeferredCheck, deferring_checks
 
 
@@ -119,7 +119,10 @@ class NormCollector:
             if call.input_modified():
                 raise call.input_modified_error(site.label)
             dims = check_call(site, call, grads, index, self.batch, self._shared)
-            per_sample = self._per_sample(index, site, call, grads, dims)
+            with call.as_called():
+                per_sample = self._per_sample(index, site, call, grads, dims)
+            if any(isinstance(g, DeferredOuterGrad) for g in per_sample.values()):
+                per_sample = {name: _as_called_later(g, call.attributes) for name, g in per_sample.items()}
             for name, key in keys.items():
                 self._parts.setdefault(key, []).append(_Part(index, per_sample[name], site.label, site.is_generic))
                 self._first_call.setdefault(key, index)
@@ -162,6 +165,25 @@ class NormCollector:
             raise no_trainable_layer_error()
         order = sorted(self._norms, key=self._first_call.__getitem__)
         return [(self._params[key], self._norms[key]) for key in order]
+
+
+def _as_called_later(grad: PerSampleGrad, attributes: tuple) -> PerSampleGrad:
+    """A deferred gradient's routines, which read the module when they run (a convolution's dilation and padding:
+    at its norm, or at bk's clipped sum), run with the module's attributes as at the call."""
+    if not isinstance(grad, DeferredOuterGrad):
+        return grad
+
+    def under(routine: Callable | None) -> Callable | None:
+        if routine is None:
+            return None
+
+        def run(*args: object) -> object:
+            with as_called(attributes):
+                return routine(*args)
+
+        return run
+
+    return replace(grad, factors=under(grad.factors), dense=under(grad.dense), weighted_sum=under(grad.weighted_sum))
 
 
 def no_trainable_layer_error() -> FlashDPError:

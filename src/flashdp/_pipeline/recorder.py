@@ -4,6 +4,8 @@ outputs and the parameters its rule counts, as the module held them during the c
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
 import weakref
 from collections.abc import Callable, Hashable, Iterator
@@ -59,6 +61,9 @@ class Call:
     #: each tensor input (in `_tensor_leaves` order of args, then kwargs), weakly referenced, with its version as the
     #: call returned: the rules read the inputs in the backward
     watched_inputs: tuple[tuple[weakref.ref, int], ...] = ()
+    #: the module's and its descendants' attributes as the call saw them (`_attributes`): a rule reads a
+    #: convolution's dilation or a norm's eps from the module in the backward, when they may have been set back
+    attributes: tuple[tuple[nn.Module, dict[str, object]], ...] = ()
 
     @property
     def inputs(self) -> tuple:
@@ -82,6 +87,10 @@ class Call:
             t is held() and t._version != version
             for t, (held, version) in zip(leaves, self.watched_inputs, strict=True)
         )
+
+    def as_called(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, the module (and its descendants) hold the attributes they held at the call (`as_called`)."""
+        return as_called(self.attributes)
 
     def unpacked(self) -> Call:
         """This call with its inputs as tensors. A call made where autograd's saved-tensor hooks are set keeps its
@@ -262,6 +271,7 @@ class Recorder:
                 rng_state=rng,
                 packed=hooks is not None,
                 watched_inputs=watched,
+                attributes=_configurations(module),
             )
         )
 
@@ -364,6 +374,69 @@ def _distinct_slots(leaves: list[Tensor]) -> list[int]:
 def _tensors_of(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
     yield from module.named_parameters()
     yield from module.named_buffers()
+
+
+def as_called(attributes: tuple[tuple[nn.Module, dict[str, object]], ...]) -> contextlib.AbstractContextManager:
+    """Inside, each module holds the attributes it held at a call (`Call.attributes`); those changed since are put
+    back afterwards. A module that sets its convolution's dilation per input size and restores it after the call,
+    or a scale changed between the forward and the backward, is counted as it computed."""
+    changed = [change for module, then in attributes for change in _changed(module, then)]
+    return _Restoring(changed) if changed else _UNCHANGED
+
+
+class _Restoring:
+    def __init__(self, changed: list[tuple[nn.Module, str, object, object]]) -> None:
+        self.changed = changed
+
+    def __enter__(self) -> None:
+        for module, name, then, _ in self.changed:
+            setattr(module, name, then)
+
+    def __exit__(self, *exc: object) -> None:
+        for module, name, _, now in self.changed:
+            setattr(module, name, now)
+
+
+_UNCHANGED = contextlib.nullcontext()
+
+
+def _configurations(module: nn.Module) -> tuple[tuple[nn.Module, dict[str, object]], ...]:
+    """`_attributes` of the module and its descendants."""
+    modules = module.modules() if module._modules else (module,)
+    return tuple((m, _attributes(m)) for m in modules)
+
+
+#: attribute types that are not a module's configuration: its parameters', buffers', children's and hooks' dicts
+_CONTAINERS = (dict, set, collections.OrderedDict)
+
+
+def _attributes(module: nn.Module) -> dict[str, object]:
+    """A module's own attributes but its parameters, buffers, children and hooks (dicts and sets) and tensors held
+    as plain attributes (wrappers such as FSDP swap a module's parameters in and out as those): its configuration (a
+    convolution's dilation, padding and padding mode, a norm's eps, an embedding's padding index, `training`),
+    lists copied."""
+    return {
+        k: list(v) if type(v) is list else v
+        for k, v in vars(module).items()
+        if type(v) not in _CONTAINERS and not isinstance(v, Tensor)
+    }
+
+
+def _changed(module: nn.Module, then: dict[str, object]) -> list[tuple[nn.Module, str, object, object]]:
+    """(module, name, value then, value now) for each attribute of `then` the module holds no more."""
+    now = vars(module)
+    return [(module, k, v, now.get(k)) for k, v in then.items() if not _same(now.get(k), v)]
+
+
+def _same(a: object, b: object) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, Tensor):
+        return False  # (a tensor where a plain value was)
+    try:
+        return bool(a == b)
+    except Exception:  # a value without a plain equality
+        return False
 
 
 def _autocast_state(device_type: str) -> tuple[str, torch.dtype] | None:

@@ -1128,3 +1128,27 @@ def test_layers_are_counted_with_their_attributes_as_at_the_call(mode, self_chec
         MultiScale().double(), batches, _after_forward, _rows, [4, 4, 4], mode=mode, self_check=self_check,
         max_grad_norm=0.1,
     )  # fmt: skip
+
+
+class LearntInitialState(nn.Module):
+    """A GRU from a learnt initial state expanded over the batch: the state is a parameter of the root, so the
+    root's generic rule counts it, and vmap cannot run `nn.GRU` with a per-sample initial state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru, self.head = nn.GRU(3, 4, batch_first=True), nn.Linear(4, 2)
+        self.h0 = nn.Parameter(torch.randn(1, 1, 4))
+
+    def forward(self, x):  # x [B, T, 3]
+        out, _ = self.gru(x, self.h0.expand(1, x.shape[0], 4).contiguous())
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_generic_site_vmap_cannot_run_is_counted_one_sample_at_a_time(mode):
+    """(A breaker's false refusal, older than this session: "vmap cannot run its forward", blaming data-dependent
+    control flow.) Where vmap fails, the generic rule re-runs the module one sample at a time, warned."""
+    torch.manual_seed(0)
+    batches = [torch.randn(b, t, 3, dtype=torch.float64) for b, t in ((3, 4), (2, 3), (3, 2))]
+    with pytest.warns(flashdp.FlashDPWarning, match="one sample at a time"):
+        check_steps(LearntInitialState().double(), batches, _sum_loss, _rows, [3, 2, 3], mode=mode, max_grad_norm=0.1)

@@ -12,12 +12,15 @@ counts, `[B, *shape]` each.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from flashdp.errors import FlashDPError
+from flashdp.errors import FlashDPError, FlashDPWarning
 from flashdp.per_sample import LayerCall, OutputMeta, accumulation_dtype
 from flashdp.rules.recompute import autocast_like, check_recomputed
 from flashdp.rules.registry import Rule
@@ -55,17 +58,46 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
         return grads, outputs
 
     per_sample_inputs = tuple(_by_sample(leaves[i], batch) for i in batched)
-    try:
-        with autocast_like(call), torch.enable_grad():
-            grads, outputs = vmap(one_sample, randomness="different")(per_sample_inputs, cotangents)
-    except (RuntimeError, ValueError, TypeError, IndexError) as error:
-        raise _vmap_error(call.label, error) from error
+    with autocast_like(call), torch.enable_grad():
+        grads, outputs = _each_sample(call.label, one_sample, per_sample_inputs, cotangents)
     recorded = [call.outputs[j] for j in used]
     if any(r is None for r in recorded):  # a module first recorded only as an enclosing scope: no outputs kept
         recorded = _batch_outputs(call, params, tree_unflatten(leaves, spec), output_slots)
     _check_recomputed(call, recorded, outputs, shared)
     _refuse_unswapped_reads(call, outputs)
     return {name: g.to(accumulation_dtype(g)) for name, g in grads.items()}
+
+
+#: what torch.func raises for a forward it cannot transform
+_TRANSFORM_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
+
+
+def _each_sample(label: str, one_sample: Callable, inputs: tuple[Tensor, ...], cotangents: tuple[Tensor, ...]):
+    """`one_sample` over the samples (dim 0 of `inputs` and `cotangents`), its results stacked: one vmap, or, where
+    vmap cannot run the forward (an op without a batching rule, such as `nn.GRU` with a per-sample initial state,
+    boolean indexing, control flow on the values), one run per sample: the same function on the same rows, B times
+    slower (warned)."""
+    try:
+        return vmap(one_sample, randomness="different")(inputs, cotangents)
+    except _TRANSFORM_ERRORS as error:
+        vmap_error = error
+    try:
+        runs = [
+            one_sample(tuple(x[b] for x in inputs), tuple(c[b] for c in cotangents))
+            for b in range(cotangents[0].shape[0])
+        ]
+    except _TRANSFORM_ERRORS as error:
+        raise _vmap_error(label, vmap_error) from error
+    warnings.warn(
+        f"The generic rule re-runs {label} one sample at a time, B runs per backward: torch.func.vmap cannot run "
+        f"its forward ({type(vmap_error).__name__}: {str(vmap_error).splitlines()[0][:200]}). Register a rule for "
+        "its type with flashdp.register_rule(...) for speed.",
+        FlashDPWarning,
+        stacklevel=2,
+    )
+    grads = {name: torch.stack([g[name] for g, _ in runs]) for name in runs[0][0]}
+    outputs = tuple(torch.stack([o[j] for _, o in runs]) for j in range(len(runs[0][1])))
+    return grads, outputs
 
 
 def _batch_outputs(

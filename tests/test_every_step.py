@@ -1152,3 +1152,16 @@ def test_a_generic_site_vmap_cannot_run_is_counted_one_sample_at_a_time(mode):
     batches = [torch.randn(b, t, 3, dtype=torch.float64) for b, t in ((3, 4), (2, 3), (3, 2))]
     with pytest.warns(flashdp.FlashDPWarning, match="one sample at a time"):
         check_steps(LearntInitialState().double(), batches, _sum_loss, _rows, [3, 2, 3], mode=mode, max_grad_norm=0.1)
+
+
+def test_a_second_backward_on_a_forward_the_first_took_names_the_cause():
+    """(A breaker's finding: two forwards, then a backward on each: the second was refused with a coverage message
+    about an op outside every module.) The first backward takes every call recorded since the one before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 2)).double()
+    engine = flashdp.make_private(model, max_grad_norm=0.1, noise_multiplier=0.0)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    first, second = _sum_loss(model, x), _sum_loss(model, 3 * x)
+    engine.backward(first)
+    with pytest.raises(FlashDPError, match=r"a forward run before it, that backward took the forward's calls"):
+        engine.backward(second)

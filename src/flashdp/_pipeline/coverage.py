@@ -499,9 +499,19 @@ def no_forward_error(
             "engine.backward() was already called on this forward's loss: each forward is clipped once. Run a "
             "new forward for the next backward."
         )
-    refuse(walk(loss, [], plan, registered).uses)
+    try:
+        refuse(walk(loss, [], plan, registered).uses)
+    except FlashDPError as error:  # (every use is outside a recorded call when none was recorded)
+        return FlashDPError(f"{_EARLIER_FORWARD} Or: {error}")
     return FlashDPError(
         "engine.backward() found no forward pass to clip since the last backward: run the model's forward with "
         "gradients enabled (not under torch.no_grad()) after make_private and before backward, once per "
-        "backward. If the loss reaches no trainable layer at all, it does not depend on the model."
+        f"backward. If the loss reaches no trainable layer at all, it does not depend on the model. {_EARLIER_FORWARD}"
     )
+
+
+_EARLIER_FORWARD = (
+    "No layer call was recorded since the last engine.backward(): if this loss comes from a forward run before it, "
+    "that backward took the forward's calls (each backward takes every call recorded since the one before). Call "
+    "engine.backward() after each forward, or add the per-sample losses of both forwards into one backward."
+)

@@ -1165,3 +1165,28 @@ def test_a_second_backward_on_a_forward_the_first_took_names_the_cause():
     engine.backward(first)
     with pytest.raises(FlashDPError, match=r"a forward run before it, that backward took the forward's calls"):
         engine.backward(second)
+
+
+class CachesInItsForward(nn.Module):
+    """A Linear whose forward leaves a cache attribute that the model deletes after the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        self.layer.cache = x.shape[-1]
+        h = self.layer(x)
+        del self.layer.cache
+        return self.head(h.tanh())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_attribute_deleted_after_the_call_is_deleted_again_after_the_rule(mode):
+    """The rule runs with the attributes as at the call, the deleted one included; afterwards the module is as the
+    model left it (not holding the attribute as None)."""
+    torch.manual_seed(0)
+    model = CachesInItsForward().double()
+    batches = [torch.randn(b, 3, dtype=torch.float64) for b in (3, 2)]
+    check_steps(model, batches, _sum_loss, _rows, [3, 2], mode=mode, max_grad_norm=0.1)
+    assert not hasattr(model.layer, "cache")

@@ -394,10 +394,15 @@ class _Restoring:
 
     def __exit__(self, *exc: object) -> None:
         for module, name, _, now in self.changed:
-            setattr(module, name, now)
+            if now is _ABSENT:  # (deleted since the call: deleted again)
+                delattr(module, name)
+            else:
+                setattr(module, name, now)
 
 
 _UNCHANGED = contextlib.nullcontext()
+#: an attribute a module no longer holds
+_ABSENT = object()
 
 
 def _configurations(module: nn.Module) -> tuple[tuple[nn.Module, dict[str, object]], ...]:
@@ -425,7 +430,8 @@ def _attributes(module: nn.Module) -> dict[str, object]:
 def _changed(module: nn.Module, then: dict[str, object]) -> list[tuple[nn.Module, str, object, object]]:
     """(module, name, value then, value now) for each attribute of `then` the module holds no more."""
     now = vars(module)
-    return [(module, k, v, now.get(k)) for k, v in then.items() if not _same(now.get(k), v)]
+    values = ((k, v, now.get(k, _ABSENT)) for k, v in then.items())
+    return [(module, k, v, value) for k, v, value in values if not _same(value, v)]
 
 
 def _same(a: object, b: object) -> bool:
@@ -592,6 +598,6 @@ def _scale_between(output: object, expected: object) -> float | None:
     residual = torch.linalg.vector_norm(torch.add(out, ref, alpha=-scale))
     error = float(residual / torch.linalg.vector_norm(out).clamp_min(torch.finfo(dtype).tiny))
     tolerance = _FORWARD_CHECK_TOLERANCE.get(rounding_dtype(output), 3e-2)
-    if not (error <= tolerance and scale != 0 and math.isfinite(scale)):
+    if not (error <= tolerance and scale != 0):
         return None
     return 1.0 if abs(scale - 1) <= tolerance else scale

@@ -4,17 +4,17 @@ benchmark model: the matrix multiplies of a steady step, in every mode, with gho
 import pytest
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import flashdp
 from benchmarks.cost_model import CPU_TILE, linear_step
+from benchmarks.flops import counted_flops
 from benchmarks.step_time import build_model, per_sample_lm_loss
 
 VOCAB, WIDTH, LAYERS, BATCH = 256, 64, 2, 2
 
 
 def _counted_step(mode: str, t: int) -> tuple[float, nn.Module]:
-    """FlopCounterMode's total for the third step of `mode` on ids `[BATCH, t]`."""
+    """The FLOPs of the third step of `mode` on ids `[BATCH, t]`."""
     model = build_model(VOCAB, WIDTH, LAYERS)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     ids = torch.randint(0, VOCAB, (BATCH, t), generator=torch.Generator().manual_seed(0))
@@ -36,9 +36,7 @@ def _counted_step(mode: str, t: int) -> tuple[float, nn.Module]:
 
     for _ in range(2):  # (the first verifies and self-checks)
         step()
-    with FlopCounterMode(display=False) as counter:
-        step()
-    return counter.get_total_flops(), model
+    return counted_flops(step)[0], model
 
 
 @pytest.mark.parametrize("t", [8, 64], ids=["ghost norms", "direct norms"])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -1190,3 +1191,113 @@ def test_an_attribute_deleted_after_the_call_is_deleted_again_after_the_rule(mod
     batches = [torch.randn(b, 3, dtype=torch.float64) for b in (3, 2)]
     check_steps(model, batches, _sum_loss, _rows, [3, 2], mode=mode, max_grad_norm=0.1)
     assert not hasattr(model.layer, "cache")
+
+
+class ScaledByAlpha(nn.Linear):
+    """A Linear subclass computing `alpha` times its class's forward: checked on its first call (alpha = 1)."""
+
+    alpha = 1.0
+
+    def forward(self, x):
+        return super().forward(x) * self.alpha
+
+
+class ScaledInTraining(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * (3.0 if self.training else 1.0)
+
+
+def _tripled(module: nn.Linear):
+    return lambda x: nn.Linear.forward(module, x) * 3.0
+
+
+def _set_alpha(model, on):
+    model[0].alpha = 3.0 if on else 1.0
+
+
+def _set_training(model, on):
+    model.train(on)
+
+
+def _set_instance_forward(model, on):
+    if on:
+        model[0].forward = _tripled(model[0])
+    elif "forward" in vars(model[0]):
+        del model[0].forward
+
+
+_LATER_CHANGES = {
+    "attribute": (ScaledByAlpha, _set_alpha),
+    "training": (ScaledInTraining, _set_training),
+    "instance forward": (nn.Linear, _set_instance_forward),
+}
+
+
+def _changed_loss(change):
+    def loss_of(model, batch):
+        x, on = batch
+        change(model, on)
+        return _sum_loss(model, x)
+
+    return loss_of
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("change", list(_LATER_CHANGES))
+def test_a_forward_that_changes_after_its_rule_was_checked_is_checked_again(change, mode):
+    """A layer's output three times its rule's forward from the third step on (an attribute, `training`, a forward
+    set on the instance): counted at the scale of its first call, the norms were a third of the truth."""
+    layer, set_change = _LATER_CHANGES[change]
+    model = nn.Sequential(layer(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    sizes = [3, 2, 3, 2, 4]
+    batches = [(torch.randn(b, 4, dtype=torch.float64), step in (2, 3)) for step, b in enumerate(sizes)]
+    check_steps(model, batches, _changed_loss(set_change), lambda b, i: (b[0][i : i + 1], b[1]), sizes, mode=mode)
+
+
+def _forward_with_hook(model, batch, register, hook):
+    x, on = batch
+    handle = register(model[0], hook) if on else None
+    try:
+        return _sum_loss(model, x)
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _tripling(module, inputs, output):
+    return output * 3.0
+
+
+def _watching(module, inputs, output):
+    return None
+
+
+def _prepended(layer, hook):
+    return layer.register_forward_hook(hook, prepend=True)
+
+
+def _appended(layer, hook):
+    return layer.register_forward_hook(hook)
+
+
+def _global(layer, hook):
+    return nn.modules.module.register_module_forward_hook(lambda m, i, o: hook(m, i, o) if m is layer else None)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "register, hook, refused",
+    [(_prepended, _tripling, [2, 3]), (_global, _tripling, [2, 3]), (_appended, _tripling, []),
+     (_global, _watching, [])],
+    ids=["prepended", "global", "appended", "global, output unchanged"],
+)  # fmt: skip
+def test_a_forward_hook_running_before_the_engines_on_a_later_step_is_seen(register, hook, refused, mode):
+    """A hook tripling a Linear's output from the third step on, run before the engine's own (prepended after
+    make_private, or global): the output recorded was the hook's, counted as the Linear's (the norms a third of
+    the truth). Refused now; a hook run after the engine's, or one leaving the output as it is, is exact."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    sizes = [3, 2, 3, 2, 4]
+    batches = [(torch.randn(b, 4, dtype=torch.float64), step in (2, 3)) for step, b in enumerate(sizes)]
+    loss_of = functools.partial(_forward_with_hook, register=register, hook=hook)
+    sample = lambda b, i: (b[0][i : i + 1], b[1])  # noqa: E731
+    assert check_steps(model, batches, loss_of, sample, sizes, mode=mode, refusals=bool(refused)) == refused

@@ -127,7 +127,7 @@ def test_alike_norms_share_one_probe_and_a_norm_that_differs_is_probed_on_its_ow
     probes = []
     original = recorder._on_probe_values
     monkeypatch.setattr(
-        recorder, "_on_probe_values", lambda site, inputs: probes.append(site.label) or original(site, inputs)
+        recorder, "_on_probe_values", lambda site, *rest: probes.append(site.label) or original(site, *rest)
     )
     norms = [_PoweredRMSNorm(6, 1) for _ in range(4)] + [_PoweredRMSNorm(6, 2)]
     model = nn.Sequential(*[m for norm in norms for m in (norm, nn.Linear(6, 6))]).double()

@@ -202,6 +202,11 @@ class Recorder:
             site.module.register_forward_hook(_Hook(self), with_kwargs=True, prepend=True)
             for site in plan.sites.values()
         ]
+        #: id(module) -> the id of the engine's forward hook on it (first among its forward hooks, unless one was
+        #: prepended since)
+        self._hook_ids = {id(site.module): h.id for site, h in zip(plan.sites.values(), self._handles, strict=True)}
+        #: id(module) -> what its rule's last verdict rested on
+        self._verified: dict[int, _Evidence] = {}
         self._handles += [
             site.module.register_forward_pre_hook(_Hook(self, before=True), with_kwargs=True)
             for site in plan.rule_sites
@@ -233,12 +238,8 @@ class Recorder:
             if slots and hooks is not None:  # packed as in the forward: the recomputation matches saves by order
                 _packed((args, kwargs), hooks)
             return
-        if site.match is not None and site.match.verify_with is not None:  # (the plan it gives has none)
-            scale = _scale_of_its_rule(site, args or tuple(kwargs.values()), output, self._probes)
-            # a module that does not compute what its registered rule assumes gets the generic rule instead
-            self._plan = self._plan.with_generic(module) if scale is None else self._plan.with_scale(module, scale)
-            site = self._plan.site(module)
         if site.match is not None:
+            site = self._checked_against_its_rule(site, module, args or tuple(kwargs.values()), output)
             _check_call(site, args, kwargs, output)
         if not slots:
             return
@@ -275,6 +276,38 @@ class Recorder:
             )
         )
 
+    def _checked_against_its_rule(self, site: Site, module: nn.Module, inputs: tuple, output: object) -> Site:
+        """The site a call is counted under. A rule is trusted with a call's output on evidence only. A module
+        matched by duck typing, or overriding its class's forward, is checked against its rule's forward on its
+        first call (the plan it gives has no `verify_with`). A simple rule's module is checked again on any call
+        where what its verdict rested on changed (its attributes, `training` included, its descendants' hooks), the
+        instance holds its own `forward` or its class changed: a verdict other than the one it is counted under
+        moves it to the generic rule. A call whose output a forward hook may have changed before the engine's saw
+        it is refused unless the output is the rule's forward's (see `_hooked_before`)."""
+        match = site.match
+        if match.verify_with is not None or (not match.rule.per_call and not site.is_generic and self._in_doubt(site)):
+            reference = match.verify_with or match.reference
+            scale = _scale_of_its_rule(site, reference, inputs, output, self._probes) if reference else None
+            if scale is not None and match.verify_with is not None:
+                self._plan = self._plan.with_scale(module, scale)
+            elif scale is None or not _close(scale, match.output_scale):
+                self._plan = self._plan.with_generic(module)
+            self._verified[id(module)] = _Evidence.of(module)
+            site = self._plan.site(module)
+        hooked = None if site.match.rule.per_call or site.is_generic else _hooked_before(module, self._hook_ids)
+        if hooked:
+            _refuse_unless_its_rules(site, inputs, output, hooked)
+        return site
+
+    def _in_doubt(self, site: Site) -> bool:
+        """Whether a simple rule's module may no longer compute what its rule was last found to (times its scale)."""
+        module, then = site.module, self._verified.get(id(site.module))
+        return (
+            "forward" in module.__dict__
+            or (site.match.layer_type is not None and type(module) is not site.match.layer_type)
+            or (then is not None and then.changed(module))
+        )
+
     def paused(self) -> _Paused:
         """Record nothing meanwhile (the generic rule re-runs forwards)."""
         return _Paused(self)
@@ -293,6 +326,63 @@ class Recorder:
         self._handles = []
         self.calls = []
         self.owner = None
+
+
+def _close(scale: float, other: float) -> bool:
+    return abs(scale - other) <= _FORWARD_CHECK_TOLERANCE[torch.float64] * abs(scale)
+
+
+def _hooked_before(module: nn.Module, hook_ids: dict[int, int]) -> str | None:
+    """Which forward hooks ran before the engine's on this call, if any: hooks run in order, global ones first."""
+    if nn.modules.module._global_forward_hooks:
+        return "a global forward hook (torch.nn.modules.module.register_module_forward_hook)"
+    if next(iter(module._forward_hooks), None) != hook_ids.get(id(module)):
+        return "a forward hook registered with prepend=True after make_private"
+    return None
+
+
+@torch.no_grad()
+def _refuse_unless_its_rules(site: Site, inputs: tuple, output: object, hooked: str) -> None:
+    """Raise unless a call's output is its rule's forward (times the scale it is counted at): a hook that ran
+    before the engine's hook and returned another output would have it count that output as the layer's."""
+    reference, match = site.match.reference, site.match
+    try:
+        scale = _scale_between(output, reference(site.module, inputs)) if reference else None
+    except Exception:  # (the rule's forward cannot run on these inputs: nothing shows the output is its)
+        scale = None
+    if scale is None or not _close(scale, match.output_scale):
+        raise FlashDPError(
+            f"Layer {site.label}: {hooked} ran before flashdp's and its output is not "
+            "the layer's forward's: flashdp would count the hook's output as the layer's. Register the hook on the "
+            "module with register_forward_hook without prepend=True (flashdp's hook, registered first, then "
+            "records the layer's own output and autograd carries the hook's change), or make the change part of "
+            "the model's forward."
+        )
+
+
+@dataclass(frozen=True)
+class _Evidence:
+    """What a verdict on a module's forward rested on, besides its class, inputs and parameters."""
+
+    attributes: tuple[tuple[nn.Module, dict[str, object]], ...]
+    #: its descendants' forward hooks and pre-hooks (theirs change what its forward computes; its own pre-hooks
+    #: change only its inputs, which are recorded after them)
+    hooks: tuple
+
+    @classmethod
+    def of(cls, module: nn.Module) -> _Evidence:
+        return cls(_configurations(module), _descendant_hooks(module))
+
+    def changed(self, module: nn.Module) -> bool:
+        return any(_changed(m, then) for m, then in self.attributes) or _descendant_hooks(module) != self.hooks
+
+
+def _descendant_hooks(module: nn.Module) -> tuple:
+    if not module._modules:
+        return ()
+    return tuple(
+        (id(m), tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for m in module.modules() if m is not module
+    )
 
 
 class _Paused:
@@ -493,21 +583,21 @@ _PROBE_ROWS = 2
 
 
 @torch.no_grad()  # entirely: inside a checkpointed region, a saved tensor would break the recomputation
-def _scale_of_its_rule(site: Site, inputs: tuple, output: object, probes: dict) -> float | None:
+def _scale_of_its_rule(site: Site, reference: Callable, inputs: tuple, output: object, probes: dict) -> float | None:
     """For a module matched by duck typing, or overriding its class's forward: the constant c with output =
     c * (its rule's forward) (1 when it computes exactly that; e.g. sqrt(d) for Gemma's scaled embedding), or
     None when it computes something else. Checked on its first call, while its parameters are as the call saw
     them, and again on parameters and inputs of its own drawing: a match that holds only for the current values
     (`(1 + w) * x_hat` is twice `w * x_hat` while w = 1) is no match."""
     try:
-        expected = site.match.verify_with(site.module, inputs)
+        expected = reference(site.module, inputs)
     except Exception:  # a forward with another signature or input type: not the rule's function
         return None
     scale = _scale_between(output, expected)
     if scale is None:
         return None
-    key = _probe_key(site, inputs)  # (None: this module's probe is its own, never kept)
-    probe_scale = probes[key] if key in probes else _probe_scale(site, inputs)
+    key = _probe_key(site, reference, inputs)  # (None: this module's probe is its own, never kept)
+    probe_scale = probes[key] if key in probes else _probe_scale(site, reference, inputs)
     if key is not None:
         probes[key] = probe_scale
     if probe_scale is None or abs(probe_scale - scale) > _FORWARD_CHECK_TOLERANCE[torch.float64] * abs(scale):
@@ -515,10 +605,10 @@ def _scale_of_its_rule(site: Site, inputs: tuple, output: object, probes: dict) 
     return scale
 
 
-def _probe_scale(site: Site, inputs: tuple) -> float | None:
+def _probe_scale(site: Site, reference: Callable, inputs: tuple) -> float | None:
     """The scale between the module's forward and its rule's on values of the probe's drawing, or None."""
     try:
-        probed, probe_expected = _on_probe_values(site, inputs)
+        probed, probe_expected = _on_probe_values(site, reference, inputs)
     except Exception:  # its forward fails on other values: not the rule's function
         return None
     return _scale_between(probed, probe_expected)
@@ -528,7 +618,7 @@ def _probe_scale(site: Site, inputs: tuple) -> float | None:
 _PLAIN_ATTRIBUTES = (bool, int, float, str, type(None))
 
 
-def _probe_key(site: Site, inputs: tuple) -> Hashable | None:
+def _probe_key(site: Site, reference: Callable, inputs: tuple) -> Hashable | None:
     """What the probe's verdict depends on, for a module whose forward is a function of its class's code, plain
     attributes, trainable parameters (drawn at random by shape) and inputs (by shape): modules alike in all of them
     (a model's 33 RMSNorms) share one probe. None (probe this module alone) for a module with children, frozen
@@ -545,10 +635,10 @@ def _probe_key(site: Site, inputs: tuple) -> Hashable | None:
     shapes = tuple(
         (tuple(x.shape[1:]), x.dtype) if isinstance(x, Tensor) else type(x) for x in inputs
     )  # rows beyond the probe's are cut: dim 0 does not enter
-    return (type(module), site.match.verify_with, tuple(sorted(attributes.items())), params, shapes)
+    return (type(module), reference, tuple(sorted(attributes.items())), params, shapes)
 
 
-def _on_probe_values(site: Site, inputs: tuple) -> tuple[object, object]:
+def _on_probe_values(site: Site, reference: Callable, inputs: tuple) -> tuple[object, object]:
     """The module's forward and its rule's reference forward in float64, on random trainable parameters and random
     floating inputs (integer inputs such as token ids kept), without hooks and without touching the module. Inputs
     keep at most `_PROBE_ROWS` rows of their dim 0: the probe costs a sliver of the call's memory."""
@@ -564,7 +654,7 @@ def _on_probe_values(site: Site, inputs: tuple) -> tuple[object, object]:
 
     rows = tuple(x[:_PROBE_ROWS] if isinstance(x, Tensor) and x.dim() > 1 else x for x in inputs)
     probe_inputs = tuple(draw(x) if isinstance(x, Tensor) and x.is_floating_point() else x for x in rows)
-    holder = _Probe(site.module, site.match.verify_with)
+    holder = _Probe(site.module, reference)
     values = {f"module.{name}": draw(attribute(site.module, name)) for name in site.trainable}
     values |= {
         f"module.{n}": t.double()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -69,6 +70,11 @@ class RuleMatch:
 
     rule: Rule
     verify_with: ReferenceForward | None
+    #: the forward the rule assumes (verify_with, or for a class's own forward the class's), for checks on a later
+    #: call whose output may not be that forward's (a hook, an instance `forward`, changed attributes)
+    reference: ReferenceForward | None = None
+    #: the class the module had when matched (None: matched by predicate)
+    layer_type: type[nn.Module] | None = None
     #: the module computes `output_scale` times its rule's forward (e.g. a scaled embedding): its output gradient
     #: is scaled so before the rule sees it
     output_scale: float = 1.0
@@ -156,6 +162,7 @@ def registered_rules() -> list[tuple[type[nn.Module] | Callable[[nn.Module], boo
     return [*_TYPE_RULES.items(), *_PREDICATE_RULES]
 
 
+@functools.cache  # one function per class: matches of one class compare equal, and share a probe's verdict
 def _class_forward(cls: type[nn.Module]) -> ReferenceForward:
     def forward(module: nn.Module, inputs: tuple) -> Tensor:
         return cls.forward(module, *inputs)
@@ -169,10 +176,10 @@ def find_rule(module: nn.Module) -> RuleMatch | None:
     for base in cls.__mro__:
         rule = _TYPE_RULES.get(base)
         if rule is not None:
-            if cls.forward is base.forward:
-                return RuleMatch(rule, None)
-            return RuleMatch(rule, rule.reference_forward or _class_forward(base))
+            reference = rule.reference_forward or _class_forward(base)
+            verify_with = None if cls.forward is base.forward else reference
+            return RuleMatch(rule, verify_with, reference, cls)
     for predicate, rule in _PREDICATE_RULES:
         if predicate(module):
-            return RuleMatch(rule, rule.reference_forward)
+            return RuleMatch(rule, rule.reference_forward, rule.reference_forward)
     return None

@@ -1301,3 +1301,40 @@ def test_a_forward_hook_running_before_the_engines_on_a_later_step_is_seen(regis
     loss_of = functools.partial(_forward_with_hook, register=register, hook=hook)
     sample = lambda b, i: (b[0][i : i + 1], b[1])  # noqa: E731
     assert check_steps(model, batches, loss_of, sample, sizes, mode=mode, refusals=bool(refused)) == refused
+
+
+class EitherLayout(nn.Module):
+    """A Linear called on `[T, B, d]` or `[B, T, d]`, as the batch says (the same model fed by two loaders)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.head = nn.Linear(4, 5), nn.Linear(5, 1)
+
+    def forward(self, x, time_major: bool):
+        out = self.head(torch.tanh(self.linear(x))).squeeze(-1)
+        return out.mean(0) if time_major else out.mean(1)
+
+
+def _either_loss(model, batch):
+    x, time_major = batch
+    return model(x, time_major).square()
+
+
+def _either_sample(batch, i):
+    x, time_major = batch
+    return (x[:, i : i + 1] if time_major else x[i : i + 1]), time_major
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_learnt_time_major_called_batch_first_later_is_learnt_again(mode):
+    """A layer learnt time-major on the first steps was told its batch is in dim 1 for good (a learnt dim only ever
+    moved to a later one): called batch-first later, its steps were refused, then its parameters went to the
+    generic rule at the root, which refused the time-major steps after."""
+    model = EitherLayout().double()
+    shapes = [(3, 5, True), (2, 5, True), (3, 5, False), (4, 3, False), (3, 5, True), (2, 3, False)]
+    batches = [
+        (torch.randn(t, b, 4, dtype=torch.float64) if tm else torch.randn(b, t, 4, dtype=torch.float64), tm)
+        for b, t, tm in shapes
+    ]
+    sizes = [b for b, _, _ in shapes]
+    check_steps(model, batches, _either_loss, _either_sample, sizes, mode=mode)

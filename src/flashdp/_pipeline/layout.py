@@ -103,16 +103,18 @@ def _other_readings(shape: torch.Size, dim: int, batch: int, position_wise: bool
     return tuple(readings)
 
 
-def time_major_dim(plan: GradientPlan, call: Call, batch: int) -> int | None:
+def time_major_dim(plan: GradientPlan, call: Call, batch: int, later: bool = True) -> int | None:
     """For a call of a position-wise rule whose outputs have the batch in another dim than the one it was told (a
-    time-major `[T, B, d]` call), the first dim before the features where every output has size B."""
+    time-major `[T, B, d]` call), the first dim before the features where every output has size B, after the
+    one it was told (`later`: a layout failing where it fits by size, tried in order), or any other (a call
+    that does not fit: a batch-first call of a layer learnt time-major)."""
     site = plan.site(call.module)
     if not site.match.rule.position_wise:
         return None
     current = dims_of(plan, call)[0]
     shapes = [meta.shape for meta in call.output_meta]
     dims = [d for d in range(max(len(s) for s in shapes) - 1) if all(len(s) > d and s[d] == batch for s in shapes)]
-    return next((d for d in dims if d > current), None)
+    return next((d for d in dims if d > current or (not later and d != current)), None)
 
 
 #: a call whose batch dim sizes alone cannot tell: (label, output shape, the dims of size B, or [] for an output

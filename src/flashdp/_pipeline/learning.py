@@ -38,14 +38,21 @@ def cover(
     smallest module enclosing their uses (refused under a wrapper that `reshards` its parameters). Whether the
     plan changed."""
     batch, start = graph.loss.shape[0], known
+    told: set[int] = set()  # modules told their batch dim on this backward (their calls may disagree: once each)
     for _ in range(len(known.plan.params) + 1):  # each round moves at least one parameter up the tree
         found = coverage.walk(graph.loss, calls, known.plan, registered())
         misfits = _misfits(known, graph, calls, found.enclosing) if not found.uses else []
         if not found.uses and not misfits:
             return known, known.plan is not start.plan
-        time_major = {i: d for i in misfits if (d := time_major_dim(known.plan, calls[i], batch)) is not None}
+        time_major = {
+            i: d
+            for i in misfits
+            if id(calls[i].module) not in told
+            and (d := time_major_dim(known.plan, calls[i], batch, later=False)) is not None
+        }
         if time_major:  # a position-wise rule is told where the batch is
             dims = {calls[i].module: d for i, d in time_major.items()}
+            told.update(id(module) for module in dims)
             known = known.with_plan(known.plan.with_batch_dims(dims))
             continue
         if found.uses:

@@ -56,3 +56,18 @@ def test_the_formulas_tell_the_strategies_apart():
     ghost, _ = _counted_step("bk", 8)
     direct, _ = _counted_step("bk", 64)
     assert direct > 4 * ghost
+
+
+def test_a_grouped_convolution_counts_what_its_groups_run_alone_count():
+    """(`benchmarks/flops.py` counts a convolution's weight gradient per group: torch's formula counts G times more,
+    and flashdp's per-sample convolution gradients fold the batch into G = B groups)"""
+    groups, x = 4, torch.randn(2, 4 * 3, 9, 9)
+    grouped = nn.Conv2d(4 * 3, 4 * 5, 3, groups=groups)
+    alone = [nn.Conv2d(3, 5, 3) for _ in range(groups)]
+
+    def backward(convs, inputs):
+        return lambda: sum(conv(i).sum() for conv, i in zip(convs, inputs, strict=True)).backward()
+
+    total, _ = counted_flops(backward([grouped], [x.requires_grad_()]))
+    parts, _ = counted_flops(backward(alone, [c.detach().requires_grad_() for c in x.chunk(groups, 1)]))
+    assert total == parts > 0

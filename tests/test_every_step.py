@@ -1338,3 +1338,128 @@ def test_a_layer_learnt_time_major_called_batch_first_later_is_learnt_again(mode
     ]
     sizes = [b for b, _, _ in shapes]
     check_steps(model, batches, _either_loss, _either_sample, sizes, mode=mode)
+
+
+class RMSNormLike(nn.Module):
+    """Matched by duck typing (a 1-D weight, `variance_epsilon`, no bias): HF's LlamaRMSNorm."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(torch.randn(d)), 1e-6
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+class TripledRMSNormLike(RMSNormLike):
+    def forward(self, x):
+        return 3.0 * super().forward(x)
+
+
+class ScaledByBuffer(nn.Linear):
+    def __init__(self, *shape) -> None:
+        super().__init__(*shape)
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+class ScaledByDict(nn.Linear):
+    options = None
+
+    def forward(self, x):
+        return super().forward(x) * (self.options or {}).get("scale", 1.0)
+
+
+def _set_class(model, on):
+    model[0].__class__ = TripledRMSNormLike if on else RMSNormLike
+
+
+def _fill_buffer(model, on):
+    model[0].scale.fill_(3.0 if on else 1.0)
+
+
+def _replace_dict(model, on):
+    model[0].options = {"scale": 3.0 if on else 1.0}
+
+
+_STATE_CHANGES = {
+    "class of a duck-typed layer": (lambda: RMSNormLike(4), _set_class),
+    "buffer filled in place": (lambda: ScaledByBuffer(4, 5), _fill_buffer),
+    "dict attribute replaced": (lambda: ScaledByDict(4, 5), _replace_dict),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("change", list(_STATE_CHANGES))
+def test_state_a_rules_verdict_rested_on_changed_later_is_checked_again(change, mode):
+    """A forward three times its rule's from the third step on, by state the first check's verdict rested on and
+    the re-check did not watch (a predicate-matched layer's class, a buffer, a dict attribute): counted at the
+    first call's scale, 13-62% off."""
+    build, set_change = _STATE_CHANGES[change]
+    model = nn.Sequential(build(), nn.Tanh(), nn.LazyLinear(2)).double()
+    model(torch.randn(1, 4, dtype=torch.float64))  # (the lazy head built)
+    sizes = [3, 2, 3, 2, 4]
+    batches = [(torch.randn(b, 4, dtype=torch.float64), step in (2, 3)) for step, b in enumerate(sizes)]
+    check_steps(model, batches, _changed_loss(set_change), lambda b, i: (b[0][i : i + 1], b[1]), sizes, mode=mode)
+
+
+def _bag_loss_with_hook(model, batch, register):
+    ids, on = batch
+    handle = register(model[0], _tripling) if on else None
+    try:
+        return model(ids).square().sum(1)
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("change", ["instance forward", "prepended", "global"])
+def test_a_rule_of_the_whole_call_that_does_not_recompute_is_checked_too(change, mode):
+    """EmbeddingBag's rule takes the whole call (its offsets) without recomputing the output: it was exempt from
+    the checks of the output, and a hook or an instance forward tripling it went unseen (the norms a third)."""
+    model = nn.Sequential(nn.EmbeddingBag(7, 4, mode="mean"), nn.Tanh(), nn.Linear(4, 2)).double()
+    sizes = [3, 2, 3, 2, 4]
+    batches = [(torch.randint(0, 7, (b, 3)), step in (2, 3)) for step, b in enumerate(sizes)]
+    sample = lambda b, i: (b[0][i : i + 1], b[1])  # noqa: E731
+    if change == "instance forward":
+        check_steps(model, batches, _bag_loss_instance, sample, sizes, mode=mode)
+        return
+    loss_of = functools.partial(_bag_loss_with_hook, register=_prepended if change == "prepended" else _global)
+    assert check_steps(model, batches, loss_of, sample, sizes, mode=mode, refusals=True) == [2, 3]
+
+
+def _bag_loss_instance(model, batch):
+    ids, on = batch
+    bag = model[0]
+    if on:
+        bag.forward = lambda ids: nn.EmbeddingBag.forward(bag, ids) * 3.0
+    elif "forward" in vars(bag):
+        del bag.forward
+    return model(ids).square().sum(1)
+
+
+class BagOfX(nn.EmbeddingBag):
+    def forward(self, x):
+        return super().forward(x)
+
+
+class BagOfAnything(nn.EmbeddingBag):
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("bag", [BagOfX, BagOfAnything])
+def test_an_embedding_bag_subclass_of_another_signature_keeps_its_rule(bag):
+    """Its rule read the call's inputs by the names of the subclass's forward: a KeyError ('input')."""
+    model = nn.Sequential(bag(7, 4, mode="mean"), nn.Tanh(), nn.Linear(4, 2)).double()
+    sizes = [3, 2, 4]
+    batches = [torch.randint(0, 7, (b, 3)) for b in sizes]
+    check_steps(model, batches, lambda m, ids: m(ids).square().sum(1), _rows, sizes)
+    model.zero_grad(set_to_none=True)
+    engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0)
+    engine.backward(model(batches[0]).square().sum(1))
+    assert engine.strategies["0.weight"] == "tokens"  # (its rule's, not the generic rule's)
+    engine.detach()

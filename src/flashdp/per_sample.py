@@ -279,11 +279,18 @@ class LayerCall:
     rng_state: RngState | None = None
     label: str = field(default="", compare=False)
 
-    def arguments(self) -> dict[str, object]:
-        """The call's inputs by parameter name of the module's forward, defaults included."""
-        bound = inspect.signature(type(self.module).forward).bind(self.module, *self.args, **self.kwargs)
+    def arguments(self, of: type[nn.Module] | None = None) -> dict[str, object]:
+        """The call's inputs by parameter name of the module's forward, defaults included; or by those of class
+        `of`'s forward, which a subclass's (of other names: `forward(self, x)`, `forward(self, *a, **k)`) was
+        checked to compute on the same positional inputs."""
+        forward = type(self.module).forward
+        bound = inspect.signature(forward).bind(self.module, *self.args, **self.kwargs)
         bound.apply_defaults()
-        return dict(bound.arguments)
+        if of is None or of.forward is forward:
+            return dict(bound.arguments)
+        base = inspect.signature(of.forward).bind(*bound.args, **bound.kwargs)
+        base.apply_defaults()
+        return dict(base.arguments)
 
     def tensor(self, name: str) -> Tensor | None:
         """A parameter or buffer by name relative to the module (`"out_proj.weight"`), as the call held it."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import math
 import weakref
 from collections.abc import Callable, Hashable, Iterator
@@ -239,7 +240,7 @@ class Recorder:
                 _packed((args, kwargs), hooks)
             return
         if site.match is not None:
-            site = self._checked_against_its_rule(site, module, args or tuple(kwargs.values()), output)
+            site = self._checked_against_its_rule(site, module, (args, kwargs), output)
             _check_call(site, args, kwargs, output)
         if not slots:
             return
@@ -276,35 +277,41 @@ class Recorder:
             )
         )
 
-    def _checked_against_its_rule(self, site: Site, module: nn.Module, inputs: tuple, output: object) -> Site:
+    def _checked_against_its_rule(self, site: Site, module: nn.Module, call: tuple, output: object) -> Site:
         """The site a call is counted under. A rule is trusted with a call's output on evidence only. A module
         matched by duck typing, or overriding its class's forward, is checked against its rule's forward on its
-        first call (the plan it gives has no `verify_with`). A simple rule's module is checked again on any call
-        where what its verdict rested on changed (its attributes, `training` included, its descendants' hooks), the
-        instance holds its own `forward` or its class changed: a verdict other than the one it is counted under
-        moves it to the generic rule. A call whose output a forward hook may have changed before the engine's saw
-        it is refused unless the output is the rule's forward's (see `_hooked_before`)."""
+        first call (the plan it gives has no `verify_with`). The module of a rule that does not recompute its
+        outputs itself is checked again on any call where what its verdict rested on changed (its and its
+        descendants' attributes, `training` included, and tensors other than trainable parameters), the instance
+        holds its own `forward`, its class changed, or hooks may change what its descendants compute: a verdict
+        other than the one it is counted under moves it to the generic rule. A call whose output a forward hook
+        may have changed before the engine's saw it is refused unless the output is the rule's forward's (see
+        `_hooked_before`). call: its (args, kwargs)."""
         match = site.match
-        if match.verify_with is not None or (not match.rule.per_call and not site.is_generic and self._in_doubt(site)):
+        if match.verify_with is not None or (not match.rule.recomputes and self._in_doubt(site)):
+            inputs = _positional(module, *call)
             reference = match.verify_with or match.reference
             scale = _scale_of_its_rule(site, reference, inputs, output, self._probes) if reference else None
+            if match.rule.per_call and scale != 1.0:  # (a rule of the whole call applies no output scale)
+                scale = None
             if scale is not None and match.verify_with is not None:
                 self._plan = self._plan.with_scale(module, scale)
             elif scale is None or not _close(scale, match.output_scale):
                 self._plan = self._plan.with_generic(module)
             self._verified[id(module)] = _Evidence.of(module)
             site = self._plan.site(module)
-        hooked = None if site.match.rule.per_call or site.is_generic else _hooked_before(module, self._hook_ids)
+        hooked = None if site.match.rule.recomputes else _hooked_before(module, self._hook_ids)
         if hooked:
-            _refuse_unless_its_rules(site, inputs, output, hooked)
+            _refuse_unless_its_rules(site, _positional(module, *call), output, hooked)
         return site
 
     def _in_doubt(self, site: Site) -> bool:
-        """Whether a simple rule's module may no longer compute what its rule was last found to (times its scale)."""
+        """Whether a module may no longer compute what its rule was last found to (times its scale)."""
         module, then = site.module, self._verified.get(id(site.module))
         return (
             "forward" in module.__dict__
             or (site.match.layer_type is not None and type(module) is not site.match.layer_type)
+            or _descendants_hooked(module)
             or (then is not None and then.changed(module))
         )
 
@@ -347,7 +354,7 @@ def _refuse_unless_its_rules(site: Site, inputs: tuple, output: object, hooked: 
     before the engine's hook and returned another output would have it count that output as the layer's."""
     reference, match = site.match.reference, site.match
     try:
-        scale = _scale_between(output, reference(site.module, inputs)) if reference else None
+        scale = _output_scale(output, reference(site.module, inputs)) if reference else None
     except Exception:  # (the rule's forward cannot run on these inputs: nothing shows the output is its)
         scale = None
     if scale is None or not _close(scale, match.output_scale):
@@ -362,27 +369,71 @@ def _refuse_unless_its_rules(site: Site, inputs: tuple, output: object, hooked: 
 
 @dataclass(frozen=True)
 class _Evidence:
-    """What a verdict on a module's forward rested on, besides its class, inputs and parameters."""
+    """What a verdict on a module's forward rested on, besides its class, inputs and trainable parameters: its and
+    its descendants' attributes (`_attributes`), their public dict attributes (copied), and their other tensors
+    (buffers, frozen parameters, tensors held as attributes) by identity and in-place version."""
 
     attributes: tuple[tuple[nn.Module, dict[str, object]], ...]
-    #: its descendants' forward hooks and pre-hooks (theirs change what its forward computes; its own pre-hooks
-    #: change only its inputs, which are recorded after them)
-    hooks: tuple
+    dicts: tuple[tuple[nn.Module, str, dict], ...]
+    tensors: tuple[tuple[int, str, int, int], ...]
 
     @classmethod
     def of(cls, module: nn.Module) -> _Evidence:
-        return cls(_configurations(module), _descendant_hooks(module))
+        modules = tuple(module.modules()) if module._modules else (module,)
+        dicts = tuple(
+            (m, k, dict(v)) for m in modules for k, v in vars(m).items() if type(v) is dict and not k.startswith("_")
+        )
+        return cls(_configurations(module), dicts, _tensor_state(modules))
 
     def changed(self, module: nn.Module) -> bool:
-        return any(_changed(m, then) for m, then in self.attributes) or _descendant_hooks(module) != self.hooks
+        modules = tuple(module.modules()) if module._modules else (module,)
+        return (
+            any(_changed(m, then) for m, then in self.attributes)
+            or any(not _same_dict(vars(m).get(k), then) for m, k, then in self.dicts)
+            or _tensor_state(modules) != self.tensors
+        )
 
 
-def _descendant_hooks(module: nn.Module) -> tuple:
+def _tensor_state(modules: tuple[nn.Module, ...]) -> tuple[tuple[int, str, int, int], ...]:
+    """(module id, name, tensor id, version) of the tensors the modules' forwards may read besides trainable
+    parameters: a scale in a buffer or a frozen parameter changed in place, or a tensor attribute replaced."""
+    state = []
+    for m in modules:
+        held = (
+            *m._parameters.items(),
+            *m._buffers.items(),
+            *((k, v) for k, v in vars(m).items() if isinstance(v, Tensor)),
+        )
+        state += [(id(m), k, id(t), t._version) for k, t in held if t is not None and not t.requires_grad]
+    return tuple(state)
+
+
+def _same_dict(now: object, then: dict) -> bool:
+    return type(now) is dict and now.keys() == then.keys() and all(_same(now[k], v) for k, v in then.items())
+
+
+def _descendants_hooked(module: nn.Module) -> bool:
+    """Whether hooks may change what the module's descendants compute inside its forward: any of theirs (a hook's
+    own state is not seen), or a global forward hook or pre-hook (its own pre-hooks change only its inputs, which
+    are recorded after them)."""
     if not module._modules:
-        return ()
-    return tuple(
-        (id(m), tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for m in module.modules() if m is not module
-    )
+        return False
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules() if m is not module)
+
+
+def _positional(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """A call's inputs as positional arguments of its forward (a reference forward takes them so): keyword
+    arguments put in their places, defaults filled in between; as given where they do not bind."""
+    if not kwargs:
+        return args
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except TypeError:
+        return args or tuple(kwargs.values())
+    bound.apply_defaults()
+    return bound.args if not bound.kwargs else args or tuple(kwargs.values())
 
 
 class _Paused:
@@ -673,6 +724,19 @@ class _Probe(nn.Module):
 
     def forward(self, *inputs: object) -> tuple[object, object]:
         return self.module.forward(*inputs), self.reference(self.module, inputs)
+
+
+def _output_scale(output: object, expected: object) -> float | None:
+    """`_scale_between` of an output and its expected value, or of every tensor in them (a tuple of outputs):
+    the one scale all of them share, or None."""
+    if isinstance(output, Tensor):
+        return _scale_between(output, expected)
+    leaves, expected_leaves = tree_leaves(output), tree_leaves(expected)
+    if len(leaves) != len(expected_leaves):
+        return None
+    pairs = list(zip(leaves, expected_leaves, strict=True))
+    scales = {_scale_between(a, b) for a, b in pairs if isinstance(a, Tensor) or isinstance(b, Tensor)}
+    return scales.pop() if len(scales) == 1 else None
 
 
 def _scale_between(output: object, expected: object) -> float | None:

@@ -155,4 +155,5 @@ register_rule(
     random=draws_dropout,
     per_call=True,
     batch_dim=mha_batch_dims,
+    recomputes=True,
 )

@@ -40,7 +40,7 @@ def embedding_bag_grads(call: LayerCall) -> dict[str, OuterGrad]:
     Weight `[V, d]`, G `[B, d]`."""
     require_own_batch(call, "Embedding bag")
     module: nn.EmbeddingBag = call.module
-    a = call.arguments()
+    a = call.arguments(nn.EmbeddingBag)
     grad_output = call.grad_output(0)
     ids, weights, valid = _bags(module, a["input"], a["offsets"], a["per_sample_weights"], grad_output.shape[0])
     if module.padding_idx is not None:

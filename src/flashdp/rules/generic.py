@@ -208,4 +208,4 @@ def _check_recomputed(
 
 
 #: the rule of every module without one of its own (and of promotion targets)
-GENERIC = Rule(generic_grads, per_call=True)
+GENERIC = Rule(generic_grads, per_call=True, recomputes=True)

@@ -183,5 +183,10 @@ def recurrent_batch_dims(module: nn.RNNBase) -> tuple[int, ...]:
 
 for _layer in (nn.LSTM, nn.GRU, nn.RNN):
     register_rule(
-        _layer, recurrent_grads, check_call=recurrent_call_support, per_call=True, batch_dim=recurrent_batch_dims
+        _layer,
+        recurrent_grads,
+        check_call=recurrent_call_support,
+        per_call=True,
+        batch_dim=recurrent_batch_dims,
+        recomputes=True,
     )

@@ -54,6 +54,9 @@ class Rule:
     #: `module -> dim` of the batch in the call's outputs (e.g. 1 for time-major recurrent layers), or a dim per
     #: tensor in the output (`nn.LSTM`'s output, h_n, c_n)
     batch_dim: BatchDim | None = None
+    #: the rule recomputes the layer's outputs from the call's inputs and refuses a difference from the recorded
+    #: ones (attention, recurrent, generic): what the output is needs no other check
+    recomputes: bool = False
 
     @property
     def name(self) -> str:
@@ -73,7 +76,7 @@ class RuleMatch:
     #: the forward the rule assumes (verify_with, or for a class's own forward the class's), for checks on a later
     #: call whose output may not be that forward's (a hook, an instance `forward`, changed attributes)
     reference: ReferenceForward | None = None
-    #: the class the module had when matched (None: matched by predicate)
+    #: the class the module had when matched
     layer_type: type[nn.Module] | None = None
     #: the module computes `output_scale` times its rule's forward (e.g. a scaled embedding): its output gradient
     #: is scaled so before the rule sees it
@@ -99,6 +102,7 @@ def register_rule(
     per_call: bool = False,
     batch_dim: BatchDim | None = None,
     position_wise: bool = False,
+    recomputes: bool = False,
 ) -> None:
     """Teach flashdp the per-sample gradients of a layer type. (Without a rule, a module gets the generic one:
     per-sample gradients by `torch.func`; a rule is a faster path.)
@@ -129,6 +133,10 @@ def register_rule(
         position_wise: every dim of the input and output but the last is a position (the rule sums over them): a
             call found to have the batch in another dim (a time-major `[T, B, d]` input) is then handed to the rule
             with the batch moved to dim 0, instead of going to the generic rule of an enclosing module.
+        recomputes: the rule recomputes the call's outputs from its inputs and raises where they differ from the
+            recorded ones (`flashdp.rules.recompute.check_recomputed`); otherwise flashdp compares a call's output
+            with `reference_forward` wherever it may not be the layer's (a forward hook run before flashdp's, an
+            instance `forward`, an attribute changed since the last check).
 
     Example:
         >>> def scale_grads(module, inputs, grad_output, trainable):
@@ -146,6 +154,7 @@ def register_rule(
         per_call=per_call,
         position_wise=position_wise,
         batch_dim=batch_dim,
+        recomputes=recomputes,
     )
     if isinstance(layer, type):
         if not issubclass(layer, nn.Module):
@@ -181,5 +190,5 @@ def find_rule(module: nn.Module) -> RuleMatch | None:
             return RuleMatch(rule, verify_with, reference, cls)
     for predicate, rule in _PREDICATE_RULES:
         if predicate(module):
-            return RuleMatch(rule, rule.reference_forward, rule.reference_forward)
+            return RuleMatch(rule, rule.reference_forward, rule.reference_forward, cls)
     return None

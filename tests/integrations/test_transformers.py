@@ -206,6 +206,25 @@ def test_a_loss_per_sample_loss_would_not_compute_is_refused_unless_it_is_overri
     Smoothed(model=gpt2(), args=args, train_dataset=lm_records(), privacy=privacy)  # accepted
 
 
+class _ScaledLoss(DPTrainer):
+    """Trainer's way to change the loss: DPTrainer never calls compute_loss, so the update was plain DPTrainer's."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return 100 * super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def test_a_compute_loss_override_is_refused_unless_per_sample_loss_is_overridden(tmp_path):
+    privacy = PrivacyArguments(expected_batch_size=4, noise_multiplier=1.0)
+    with pytest.raises(FlashDPError, match="_ScaledLoss overrides compute_loss, which DPTrainer never calls"):
+        _ScaledLoss(model=gpt2(), args=training_args(tmp_path), train_dataset=lm_records(), privacy=privacy)
+
+    class Both(_ScaledLoss):
+        def per_sample_loss(self, model, inputs):
+            return 100 * super().per_sample_loss(model, inputs)
+
+    Both(model=gpt2(), args=training_args(tmp_path), train_dataset=lm_records(), privacy=privacy)  # accepted
+
+
 def test_users_with_more_examples_a_step_than_a_micro_batch_holds_are_refused_when_built(tmp_path):
     data = [{**record, "user": i // 4} for i, record in enumerate(lm_records())]
     privacy = PrivacyArguments(expected_batch_size=2, noise_multiplier=1.0, user_column="user", examples_per_user=4)

@@ -74,6 +74,13 @@ def check_losses(trainer: Trainer) -> None:
             f"regression), so these settings would be ignored: {names}. Remove them, or override "
             "per_sample_loss(model, inputs) to return the [B] losses you want."
         )
+    overriding = next(cls for cls in type(trainer).__mro__ if "compute_loss" in vars(cls))
+    if overriding.__module__.split(".")[0] not in ("transformers", "trl", "flashdp"):
+        raise FlashDPError(
+            f"{overriding.__name__} overrides compute_loss, which DPTrainer never calls: it computes one loss per "
+            "sample itself (per_sample_loss), so the override would be silently ignored. Override "
+            "per_sample_loss(model, inputs) to return the [B] losses you want instead."
+        )
     if getattr(getattr(trainer.model, "config", None), "output_router_logits", False):
         raise FlashDPError(
             "The model's config has output_router_logits=True: its router's auxiliary (load-balancing) loss is a "

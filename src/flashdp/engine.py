@@ -8,6 +8,7 @@ committed when a backward succeeds. Measuring is `measurement.measure`, the clip
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,12 +31,12 @@ from flashdp._pipeline.settings import DEFAULT_SELF_CHECK_INTERVAL, EngineSettin
 from flashdp._pipeline.users import UserGroups, UserLedger
 from flashdp.data import check_loader_rate, count_users, poisson_loader
 from flashdp.distributed import Adapter, adapter_for
-from flashdp.distributed.checks import check_norm_group, check_same_samples
+from flashdp.distributed.checks import check_norm_group, check_same_samples, check_same_settings, raise_on_every_rank
 from flashdp.errors import FlashDPError
 from flashdp.kernels import Backend
 from flashdp.noisy_step import NoisyStep
 from flashdp.privacy import NoiseSource, keyed
-from flashdp.privacy.settings import PrivacyRequest
+from flashdp.privacy.settings import PrivacyRequest, PrivacySettings
 
 
 def _of_the_step(name: str) -> property:
@@ -45,6 +46,11 @@ def _of_the_step(name: str) -> property:
         lambda engine, value: setattr(engine.noisy_step, name, value),
         doc=f"`engine.noisy_step.{name}`.",
     )
+
+
+def _of_the_settings(name: str) -> property:
+    """A read-only engine attribute that is its settings' (`EngineSettings`)."""
+    return property(lambda engine: getattr(engine.settings, name), doc=f"`engine.settings.{name}`.")
 
 
 class DPEngine:
@@ -77,6 +83,7 @@ class DPEngine:
         if optimizer is not None:
             guards.check_optimizer(optimizer, model)
         resolved = privacy.resolve()
+        check_same_settings(_compared_settings(settings, resolved), self._adapter.dp_group)
         self._norm_group_checked = _checked_norm_group(norm_group, self._adapter)
         noise = _noise_source(settings, self._adapter)  # (before the adapter changes anything on a wrapper)
         self._attachment = Attachment(self, model, plan, self._adapter, self._timer, trains)
@@ -91,7 +98,8 @@ class DPEngine:
         # the same on every rank: TP ranks must weight the losses alike, FSDP ranks run the same passes
         generator, attached = torch.Generator().manual_seed(0), self._attachment
         self._parts = Parts(
-            settings, self._adapter, self._timer, attached.recorder, model.named_parameters, norm_group, generator,
+            settings, self._adapter, self._timer, attached.recorder, lambda: self._adapter.named_parameters(model),
+            norm_group, generator,
             attached.grad_writes, {},
         )  # fmt: skip
         self._backward_calls = 0
@@ -107,14 +115,8 @@ class DPEngine:
 
     # -- settings and what the last backward found ----------------------------------------------------------
 
-    @property
-    def mode(self) -> Mode:
-        return self.settings.mode
-
-    @property
-    def max_grad_norm(self) -> float:
-        return self.settings.max_grad_norm
-
+    mode = _of_the_settings("mode")
+    max_grad_norm = _of_the_settings("max_grad_norm")
     # (the step's: read and set there)
     optimizer = _of_the_step("optimizer")
     noise_multiplier = _of_the_step("noise_multiplier")
@@ -158,13 +160,11 @@ class DPEngine:
 
     def _backward(self, loss: Tensor, users: Tensor | None, counted: bool) -> Tensor:
         """`backward`; `counted`: whether its rows (and users) count as samples (users) of the step."""
-        loss, forward, refusal = self._take_forward(loss, check_provenance=True)
-        self._attachment.grad_writes.check_no_gradient_hooks()
+        loss, forward, refusal, groups = self._take_forward(loss, check_provenance=True, users=users)
         batch = loss.shape[0]
-        groups = None if users is None else UserGroups.of(users, batch, loss.device)
         # (stand-ins join the ranks' agreement on the unit and their exchange of users, with none)
         ledger = groups if counted or groups is None else UserGroups.of(users[:0], 0, loss.device)
-        clipping = self._users.check(ledger, self._adapter.dp_group, loss.device)
+        clipping = self._users.check(ledger, self._adapter.dp_group)
         units = batch if groups is None else groups.count
         if batch == 0 and self._adapter.world_size == 1:
             self.noisy_step.backward_done(0)
@@ -206,7 +206,7 @@ class DPEngine:
         noise or any change to `.grad` (for data valuation and debugging): the norm over all trainable parameters,
         or with `per_parameter=True` a dict of each parameter's `[B]` norms. The forward's graph is kept, so
         `loss.mean().backward()` may follow for ordinary training."""
-        loss, forward, _ = self._take_forward(loss, check_provenance=False)
+        loss, forward, _, _ = self._take_forward(loss, check_provenance=False)
         if loss.shape[0] == 0:
             return {} if per_parameter else torch.zeros(0, dtype=torch.float32, device=loss.device)
         measured = self._measure(loss, forward, self._norms_only.keeps)
@@ -214,8 +214,30 @@ class DPEngine:
             return {param.name: norm.norm_sq.sqrt().float() for param, norm in measured.norms}
         return measured.clip_norms_sq.sum(0).sqrt().float()
 
-    def _take_forward(self, loss: Tensor, check_provenance: bool) -> tuple[Tensor, Forward, FlashDPError | None]:
-        """The checked loss, what its forward recorded, and a refusal of the gradients it would add to (below)."""
+    def _take_forward(
+        self, loss: Tensor, check_provenance: bool, users: Tensor | None = None
+    ) -> tuple[Tensor, Forward, FlashDPError | None, UserGroups | None]:
+        """The checked loss, what its forward recorded, a refusal of the gradients it would add to (below), and the
+        rows' users. A check failing on this rank is raised on every rank together (`raise_on_every_rank`)."""
+        device = loss.device if isinstance(loss, Tensor) else None
+        unit = [users is not None, users is None]  # (agreed in the same all-reduce: the privacy unit's flags)
+        try:
+            loss, forward, refusal = self._checked_forward(loss, check_provenance)
+            groups = None if users is None else UserGroups.of(users, loss.shape[0], loss.device)
+            error = self._users.unit_changed(groups) if check_provenance else None
+            if error is not None:
+                raise error
+        except FlashDPError as error:
+            raise_on_every_rank(error, self._adapter.dp_group, device, unit)
+        some, not_all = raise_on_every_rank(None, self._adapter.dp_group, device, unit)
+        if check_provenance:
+            self._users.agree_unit(bool(some), bool(not_all))
+        if not self._norm_group_checked:
+            check_same_samples(loss, self.norm_group)
+            self._norm_group_checked = True
+        return loss, forward, refusal, groups
+
+    def _checked_forward(self, loss: Tensor, check_provenance: bool) -> tuple[Tensor, Forward, FlashDPError | None]:
         recorder = self._attachment.recorder_if_attached()
         self._timer.forward_ended()
         self._trainable.check_unchanged()
@@ -227,9 +249,8 @@ class DPEngine:
             clipped = id(loss.grad_fn) == self._last_loss_node
             raise coverage.no_forward_error(loss, self._known.plan, self.model.named_parameters(), clipped)
         self._last_loss_node = id(loss.grad_fn)
-        if not self._norm_group_checked:
-            check_same_samples(loss, self.norm_group)
-            self._norm_group_checked = True
+        if check_provenance:
+            self._attachment.grad_writes.check_no_gradient_hooks()
         return loss, forward, refusal
 
     def _measure(
@@ -296,24 +317,8 @@ class DPEngine:
         USERS at the engine's rate and up to `examples_per_user` examples of each, a user's examples on one rank;
         the loader yields `(batch, users)` for `engine.backward(loss, users=users)`. The engine's
         `expected_batch_size` is then `sample_rate` times the number of users (docs/guides/user-level.md)."""
-        if users is None:
-            check_loader_rate(self.sample_rate, self.expected_batch_size, len(dataset))
-        else:
-            check_loader_rate(self.sample_rate, self.expected_batch_size, count_users(users), "the number of users")
-        group = self._adapter.dp_group
-        return poisson_loader(
-            dataset,
-            self.sample_rate,
-            collate_fn=collate_fn,
-            steps=steps,
-            seed=self.settings.seed,
-            secure_rng=self.settings.secure_rng,
-            rank=dist.get_rank(group) if group is not None else 0,
-            world_size=self._adapter.world_size,
-            users=users,
-            examples_per_user=examples_per_user,
-            **loader_kwargs,
-        )
+        options = {"collate_fn": collate_fn, "steps": steps, "users": users, "examples_per_user": examples_per_user}
+        return _loader(self, dataset, options | loader_kwargs)
 
     def epsilon(self, delta: float) -> float:
         """The epsilon spent so far at this delta (PLD, or RDP when accountant="rdp")."""
@@ -346,6 +351,31 @@ class DPEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.detach()
+
+
+def _loader(engine: DPEngine, dataset: Dataset, options: dict[str, Any]) -> DataLoader:
+    """`engine.data_loader(dataset, **options)`."""
+    users = options["users"]
+    if users is None:
+        check_loader_rate(engine.sample_rate, engine.expected_batch_size, len(dataset))
+    else:
+        check_loader_rate(engine.sample_rate, engine.expected_batch_size, count_users(users), "the number of users")
+    group = engine._adapter.dp_group
+    return poisson_loader(
+        dataset,
+        engine.sample_rate,
+        seed=engine.settings.seed,
+        secure_rng=engine.settings.secure_rng,
+        rank=dist.get_rank(group) if group is not None else 0,
+        world_size=engine._adapter.world_size,
+        **options,
+    )
+
+
+def _compared_settings(settings: EngineSettings, privacy: PrivacySettings) -> dict[str, object]:
+    """The settings every data-parallel rank must share (not the seed, nor whether to profile)."""
+    shared = {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("seed", "profile")}
+    return shared | dataclasses.asdict(privacy)
 
 
 def _checked_norm_group(norm_group: dist.ProcessGroup | None, adapter: Adapter) -> bool:

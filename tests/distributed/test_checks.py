@@ -87,9 +87,30 @@ def _per_rank_expected_batch_size(rank: int) -> str:
     return _error_of(engine.step)
 
 
+def _per_rank_max_grad_norm(rank: int) -> str:
+    wrapped = workloads.wrap(workloads.build_model(), "ddp")
+    return _error_of(lambda: flashdp.make_private(wrapped, max_grad_norm=0.05 * (rank + 1), noise_multiplier=0.0))
+
+
+def _fsdp2_without_the_root(rank: int) -> str:
+    from torch.distributed.fsdp import fully_shard
+
+    model = workloads.build_model()
+    fully_shard(model[2])  # (the embedding and the last Linear left unsharded)
+    return _error_of(lambda: flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0))
+
+
+def _ddp_with_a_static_graph(rank: int) -> str:
+    wrapped = nn.parallel.DistributedDataParallel(workloads.build_model(), static_graph=True)
+    return _error_of(lambda: flashdp.make_private(wrapped, max_grad_norm=1.0, noise_multiplier=0.0))
+
+
 @pytest.mark.parametrize(
     ("setup", "expected"),
     [
+        (_per_rank_max_grad_norm, "different settings on different ranks (max_grad_norm: [0.05, 0.1]"),
+        (_fsdp2_without_the_root, "needs every trainable parameter sharded by fully_shard; these are not: 0.weight"),
+        (_ddp_with_a_static_graph, "DDP(static_graph=True)"),
         (_norm_group_over_data_parallel_ranks, "shares ranks [0, 1] with the model's data-parallel group"),
         (_norm_group_without_tensor_parallel_layers, "computed different per-sample losses"),
         (_per_rank_expected_batch_size, "128 samples over 2 ranks, implausibly many for expected_batch_size=64"),
@@ -98,3 +119,28 @@ def _per_rank_expected_batch_size(rank: int) -> str:
 def test_a_bad_distributed_setup_is_explained(setup, expected):
     for message in run(setup):
         assert expected in message, message
+
+
+def _non_finite_loss_on_one_rank(rank: int, wrapper: str) -> list[str]:
+    """Rank 1's first step has a non-finite loss: refused on that rank alone, before any collective of the
+    backward, it left rank 0 waiting in the backward's agreement. Then a step like any other."""
+    wrapped = workloads.wrap(workloads.build_model(), wrapper)
+    engine = workloads.private(wrapped, "bk")
+    ids = workloads.global_batch()[rank * 4 : rank * 4 + 4]
+    outcomes = []
+    for step in range(2):
+        loss = workloads.per_sample_loss(wrapped, ids)
+        if rank == 1 and step == 0:
+            loss = loss + torch.tensor([float("inf"), 0.0, 0.0, 0.0])
+        outcomes.append(_error_of(lambda loss=loss: engine.backward(loss)))
+        if outcomes[-1] == "no error":
+            engine.step()
+    return outcomes
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_a_refusal_of_one_ranks_loss_is_raised_on_every_rank(wrapper):
+    first, second = run(_non_finite_loss_on_one_rank, wrapper)
+    assert "Another rank refused this backward" in first[0], first
+    assert "Non-finite per-sample losses" in second[0], second
+    assert first[1] == second[1] == "no error"

@@ -40,10 +40,36 @@ def test_fsdp2_mixed_precision_matches_fp32_to_bf16_accuracy(mode):
 
 
 def test_a_coverage_refused_on_one_rank_is_refused_on_every_rank():
-    """Rank 1 learns a layer time-major, then finds it batch-first again: the layer would move to an enclosing
-    generic rule, which FSDP cannot run; that rank refused alone and the other waited in the next collective until
-    the process died (or for ever)."""
-    first, second = run(workloads.rank_relearning_a_layout, "fsdp2", "bk")
+    """Rank 1 uses a layer's weights outside the layer: they would move to an enclosing generic rule, which FSDP
+    cannot run; that rank refused alone and the other waited in the next collective until the process died (or for
+    ever)."""
+    first, second = run(workloads.rank_using_a_weight_outside_its_layer, "fsdp2", "bk")
     assert first[0] == second[0] == "ok"
-    assert "Under FSDP, flashdp counts a parameter used outside its own module" in second[1], second
+    assert "flashdp would miss part of these parameters' per-sample gradients" in second[1], second
+    assert "'2.layer.weight' reaches the loss through TBackward0 outside the forward" in second[1], second
     assert "Another rank refused" in first[1], first
+
+
+def _rank_run_summing(rank: int, mode: str) -> dict:
+    """`workloads.rank_run` with every unit's reduction a sum (divide factor 1; a sum collective, gloo having no
+    pre-multiplied sum): ghost's second pass scaled its loss by the world size all the same, doubling the update."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = workloads.build_model()
+    wrapped = workloads.wrap(model, "fsdp2")
+    for unit in (m for m in wrapped.modules() if isinstance(m, FSDPModule)):
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    ids = workloads.global_batch()[rank * 4 : rank * 4 + 4]
+    norms = workloads.train(model, wrapped, ids, mode, 0.0, micro=3)
+    return {"norms": norms, "params": workloads.full_params(wrapped)}
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_units_gradient_divide_factor_is_what_the_second_pass_scales_by(mode):
+    ranks = run(_rank_run_summing, mode)
+    expected_norms, expected_params = workloads.single_process(mode)
+    torch.testing.assert_close(torch.cat([r["norms"] for r in ranks]), expected_norms, rtol=1e-5, atol=1e-6)
+    for rank in ranks:
+        for got, expected in zip(rank["params"], expected_params, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

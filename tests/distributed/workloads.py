@@ -499,30 +499,33 @@ def rank_with_a_foreign_grad_write(rank: int, wrapper: str, mode: str, before_st
     return {"params": full_params(wrapped)}
 
 
-class SometimesTimeMajor(nn.Module):
-    """A Linear run on `[T, B, d]` (the input transposed, the output transposed back) where `time_major` is set."""
+class SometimesFunctional(nn.Module):
+    """A Linear, or its weights used by `F.linear` outside its own forward where `functional` is set."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Linear):
         super().__init__()
-        self.layer, self.time_major = layer, False
+        self.layer, self.functional = layer, False
 
     def forward(self, x):
-        return self.layer(x.transpose(0, 1)).transpose(0, 1) if self.time_major else self.layer(x)
+        if self.functional:
+            return nn.functional.linear(x, self.layer.weight, self.layer.bias)
+        return self.layer(x)
 
 
-def rank_relearning_a_layout(rank: int, wrapper: str, mode: str) -> list[str]:
-    """Rank 1 runs the middle Linear time-major with T == B on the first step (its batch learnt in dim 1), then
-    batch-first: what each step said on each rank ("ok" or the error)."""
+def rank_using_a_weight_outside_its_layer(rank: int, wrapper: str, mode: str) -> list[str]:
+    """Rank 1 uses the middle Linear's weights outside the Linear on the second step: its parameters would move to
+    the enclosing module's generic rule, which FSDP cannot run. What each step said on each rank ("ok" or the
+    error)."""
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Embedding(12, 6), nn.LayerNorm(6), SometimesTimeMajor(nn.Linear(6, 10)), nn.Tanh(), nn.Linear(10, 11)
+        nn.Embedding(12, 6), nn.LayerNorm(6), SometimesFunctional(nn.Linear(6, 10)), nn.Tanh(), nn.Linear(10, 11)
     )
     wrapped = wrap(model, wrapper)
     engine = private(wrapped, mode)
     said = []
-    for step, size in enumerate([3, 2] if rank == 1 else [2, 2]):
-        model[2].time_major = rank == 1 and step == 0
-        ids = torch.randint(0, 11, (size, 3), generator=torch.Generator().manual_seed(10 * step + rank))
+    for step in range(2):
+        model[2].functional = rank == 1 and step == 1
+        ids = torch.randint(0, 11, (2, 3), generator=torch.Generator().manual_seed(10 * step + rank))
         try:
             engine.backward(per_sample_loss(wrapped, ids))
             engine.step()

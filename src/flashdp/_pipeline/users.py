@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashdp.distributed.checks import highest_on_any_rank
 from flashdp.errors import FlashDPError
 from flashdp.per_sample import OuterGrad, TokenRows
 
@@ -128,20 +127,24 @@ class UserLedger:
         self.by_user: bool | None = None
         self._seen: set[int] = set()
 
-    def check(
-        self, groups: UserGroups | None, dp_group: dist.ProcessGroup | None, device: torch.device
-    ) -> frozenset[int]:
-        """Check one backward's users (None: a backward by rows) against the unit and the step so far; returns the
-        users of every rank in it, for `clipped` once the backward has added them."""
-        if self.by_user is None:
-            self.by_user = self._agreed_unit(groups is not None, dp_group, device)
-        if self.by_user != (groups is not None):
+    def agree_unit(self, some: bool, not_all: bool) -> None:
+        """On the engine's first backward, its unit, from whether any rank gave users= (`some`) and any did not
+        (`not_all`), as every rank agreed."""
+        if self.by_user is not None:
+            return
+        if some and not_all:
             raise FlashDPError(
-                "This engine clips by "
-                + ("user (engine.backward(loss, users=ids))" if self.by_user else "sample (engine.backward(loss))")
-                + " since its first backward; one run has one privacy unit, which its epsilon describes. Pass "
-                + ("users= on every backward." if self.by_user else "no users= (or build another engine).")
+                "engine.backward was given users= on some ranks and not on others: every rank must clip by the same "
+                "unit. Pass users= on every rank (an empty tensor on a rank without rows)."
             )
+        self.by_user = some
+
+    def check(self, groups: UserGroups | None, dp_group: dist.ProcessGroup | None) -> frozenset[int]:
+        """Check one backward's users (None: a backward by rows) against the unit (`agree_unit`) and the step so
+        far; returns the users of every rank in it, for `clipped` once the backward has added them."""
+        error = self.unit_changed(groups)
+        if error is not None:
+            raise error
         if groups is None:
             return frozenset()
         ranks = [groups.ids.tolist()]
@@ -154,24 +157,23 @@ class UserLedger:
             raise _split_user_error(repeated, len(ranks))
         return frozenset(every)
 
+    def unit_changed(self, groups: UserGroups | None) -> FlashDPError | None:
+        """The refusal of a backward by another unit than the engine's (None before its first backward)."""
+        if self.by_user is None or self.by_user == (groups is not None):
+            return None
+        return FlashDPError(
+            "This engine clips by "
+            + ("user (engine.backward(loss, users=ids))" if self.by_user else "sample (engine.backward(loss))")
+            + " since its first backward; one run has one privacy unit, which its epsilon describes. Pass "
+            + ("users= on every backward." if self.by_user else "no users= (or build another engine).")
+        )
+
     def clipped(self, users: frozenset[int]) -> None:
         """A backward added these users' clipped gradients to the step."""
         self._seen |= users
 
     def step_taken(self) -> None:
         self._seen.clear()
-
-    @staticmethod
-    def _agreed_unit(by_user: bool, dp_group: dist.ProcessGroup | None, device: torch.device) -> bool:
-        if dp_group is None:
-            return by_user
-        some, not_all = highest_on_any_rank([int(by_user), int(not by_user)], dp_group, device)
-        if some and not_all:
-            raise FlashDPError(
-                "engine.backward was given users= on some ranks and not on others: every rank must clip by the same "
-                "unit. Pass users= on every rank (an empty tensor on a rank without rows)."
-            )
-        return bool(some)
 
 
 def _split_user_error(users: list[int], world: int) -> FlashDPError:

@@ -4,6 +4,7 @@ and noises gradients. The data-parallel wrappers implement it in `ddp.py`, `fsdp
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,11 @@ class Adapter:
     def param_views(self, module: nn.Module) -> dict[str, ParamView]:
         """The module's own trainable parameters, with their full shapes and identities."""
         return local_param_views(module)
+
+    def named_parameters(self, model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+        """The model's parameters as the graph of its forward may hold them (the coverage walk reads them where a
+        leaf of the graph is neither the plan's nor a recorded call's)."""
+        return model.named_parameters()
 
     def attach(self) -> None:
         """Change what the engine needs changed on the wrapper (`detach()` restores it)."""

@@ -45,6 +45,23 @@ def check_same_samples(loss: Tensor, norm_group: dist.ProcessGroup) -> None:
     )
 
 
+def check_same_settings(settings: dict[str, object], group: dist.ProcessGroup | None) -> None:
+    """Every data-parallel rank clips, noises and accounts alike: make_private's settings (all but the seed, which
+    a rank may derive its own from) compared across the ranks, once, when the engine is built."""
+    if group is None:
+        return
+    ranks: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, settings, group=group)
+    differing = [name for name in settings if any(other[name] != ranks[0][name] for other in ranks)]
+    if differing:
+        values = "; ".join(f"{name}: {[other[name] for other in ranks]}" for name in differing)
+        raise FlashDPError(
+            f"make_private was given different settings on different ranks ({values}, by rank): every rank must "
+            "clip by the same bound, add the same noise and account the same sampling, or the epsilon describes "
+            "none of them. Pass the same arguments on every rank."
+        )
+
+
 def check_global_batch(
     expected_batch_size: int, local_samples: int, group: dist.ProcessGroup, refusal: FlashDPError | None = None
 ) -> None:
@@ -65,6 +82,22 @@ def check_global_batch(
             f"expected_batch_size={expected_batch_size}: it looks per-rank. expected_batch_size is the GLOBAL "
             f"logical batch (all ranks, all micro-batches of a step), e.g. {world} x your per-rank batch."
         )
+
+
+def raise_on_every_rank(
+    error: FlashDPError | None, group: dist.ProcessGroup | None, device: torch.device | None, flags: list[int] = ()
+) -> list[int]:
+    """Raise this rank's `error` (None: none) on every rank of `group` together: a check that fails on one rank's
+    data alone (a non-finite loss) would leave the others waiting in the next collective. The same all-reduce
+    agrees on `flags` (the highest any rank holds), returned."""
+    if group is None:
+        if error is not None:
+            raise error
+        return list(flags)
+    refused, *agreed = highest_on_any_rank([error is not None, *flags], group, device or torch.device("cpu"))
+    if refused:
+        raise error or another_rank_refused()
+    return agreed
 
 
 def highest_on_any_rank(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[int]:

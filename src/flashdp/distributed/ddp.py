@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from flashdp._pipeline.profiling import PhaseTimer
 from flashdp.distributed.base import Adapter
 from flashdp.distributed.checks import for_backend
+from flashdp.errors import FlashDPError
 from flashdp.privacy.keyed import KEY_BITS
 
 #: 32-bit words of a noise seed sent from the first rank: a secret key's bits
@@ -23,6 +24,12 @@ class DDPAdapter(Adapter):
 
     def __init__(self, ddp: nn.parallel.DistributedDataParallel, timer: PhaseTimer, broadcast_noise: bool) -> None:
         super().__init__(timer)
+        if getattr(ddp, "static_graph", False):
+            raise FlashDPError(
+                "DDP(static_graph=True): a static graph's reducer expects the same gradient hooks in every "
+                "backward, and flashdp runs backward passes of its own (the norm pass, the checks) with DDP's sync "
+                "off. Construct DDP without static_graph (flashdp all-reduces the clipped sums itself, once a step)."
+            )
         self.ddp = ddp
         self.broadcast_noise = broadcast_noise
         self.dp_group = ddp.process_group

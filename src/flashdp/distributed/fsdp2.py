@@ -13,7 +13,28 @@ from torch.distributed.tensor import DTensor
 from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.profiling import PhaseTimer
 from flashdp.distributed.sharded import ShardedAdapter, refuse_hybrid_sharding
+from flashdp.errors import FlashDPError
 from flashdp.per_sample import accumulation_dtype
+
+
+def _divide_factor(module: FSDPModule, world_size: int) -> float | None:
+    """The factor a unit's reduce-scatter divides by (None: the unit holds no parameters)."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return None
+    return float(world_size if group.gradient_divide_factor is None else group.gradient_divide_factor)
+
+
+def _refuse_unsharded(model: nn.Module) -> None:
+    """Every trainable parameter must be sharded by some unit: flashdp reduce-scatters and noises shards."""
+    unsharded = [name for name, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    if unsharded:
+        raise FlashDPError(
+            f"Under FSDP2 flashdp needs every trainable parameter sharded by fully_shard; these are not: "
+            f"{', '.join(unsharded[:8])}{' ...' if len(unsharded) > 8 else ''}. Apply fully_shard to the root "
+            "module too (after its submodules, as FSDP2's examples do): the parameters outside every sharded "
+            "submodule then belong to the root's unit. Or freeze them."
+        )
 
 
 def is_fsdp2(model: nn.Module) -> bool:
@@ -22,14 +43,15 @@ def is_fsdp2(model: nn.Module) -> bool:
 
 class FSDP2Adapter(ShardedAdapter):
     """The norm pass runs with `set_requires_gradient_sync(False)`; the ghost second pass lets FSDP2
-    reduce-scatter (its mean, so the loss is scaled by the world size); bk sums are reduce-scattered into the
-    shards unit by unit; each rank noises its own shard with its own generator.
+    reduce-scatter (its mean, or what its divide factor says: the loss is scaled by that factor); bk sums are
+    reduce-scattered into the shards unit by unit; each rank noises its own shard with its own generator.
     """
 
     swaps_parameters = True
 
     def __init__(self, model: nn.Module, timer: PhaseTimer) -> None:
         self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        _refuse_unsharded(model)
         mesh = next(p for p in model.parameters()).device_mesh
         refuse_hybrid_sharding("FSDP2", mesh.ndim)
         # each parameter's unit: the innermost FSDPModule holding it
@@ -44,6 +66,20 @@ class FSDP2Adapter(ShardedAdapter):
                 trainable[self._unit_index[pid]].append(pid)
         super().__init__(timer, mesh.get_group(), trainable)
 
+    def named_parameters(self, model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+        """Also each unit's unsharded parameters, swapped in for the forward and out after it: the leaves of its
+        graph. A weight used outside every recorded call holding it (`F.linear(x, layer.weight)` on a step where
+        the layer itself is not called) is found by them, not missed."""
+        registered = list(model.named_parameters())
+        yield from registered
+        names = {id(p): name for name, p in registered}
+        for module in self.fsdp_modules:
+            group = module._get_fsdp_state()._fsdp_param_group
+            for param in group.fsdp_params if group is not None else ():
+                unsharded = getattr(param, "_unsharded_param", None)
+                if unsharded is not None:
+                    yield names.get(id(param.sharded_param), param._module_info.param_name), unsharded
+
     @contextlib.contextmanager
     def norm_pass(self) -> Iterator[None]:
         for module in self.fsdp_modules:
@@ -56,7 +92,16 @@ class FSDP2Adapter(ShardedAdapter):
 
     @property
     def second_pass_scale(self) -> float:
-        return float(self.world_size)  # FSDP2 reduce-scatters the mean over ranks
+        """What FSDP2 divides the reduce-scattered gradients by: the world size (their mean), or a unit's
+        `set_gradient_divide_factor`, read at every pass (it may be set between steps)."""
+        factors = {_divide_factor(m, self.world_size) for m in self.fsdp_modules} - {None}
+        if len(factors) > 1:
+            raise FlashDPError(
+                f"The FSDP2 units divide their reduced gradients by different factors ({sorted(factors)}: "
+                "set_gradient_divide_factor on some of them): ghost's second pass scales the loss by one factor "
+                "so that the reduction yields each parameter's sum. Set the same factor on every unit, or none."
+            )
+        return factors.pop() if factors else float(self.world_size)
 
     def unit_of(self, param: TrainableParam) -> tuple[int, Hashable]:
         return self._unit_index[id(param.param)], id(param.param)

@@ -70,3 +70,25 @@ def _rank_run_summing(rank: int, mode: str) -> dict:
 def test_a_units_gradient_divide_factor_is_what_the_second_pass_scales_by(mode):
     expected_norms, expected_params = workloads.single_process(mode)
     assert_steps_of_one_process(run(_rank_run_summing, mode), [expected_norms], expected_params)
+
+
+def _rank_run_frozen_outside_the_units(rank: int) -> dict:
+    """The embedding and the norm after it frozen and left out of every unit, the root not sharded (make_private
+    read the mesh from the first parameter: an AttributeError)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = workloads.build_model()
+    model[:2].requires_grad_(False)
+    for layer in (model[2], model[4]):
+        fully_shard(layer)
+    ids = workloads.global_batch()[rank * 4 : rank * 4 + 4]
+    norms = workloads.train(model, model, ids, "bk", 0.0, micro=4)
+    return {"norms": [norms], "params": workloads.full_params(model)}
+
+
+def test_frozen_parameters_outside_every_unit_are_left_alone():
+    expected_model = workloads.build_model()
+    expected_model[:2].requires_grad_(False)
+    norms = workloads.train(expected_model, expected_model, workloads.global_batch(), "bk", 0.0, micro=8)
+    expected = [p.detach().clone() for p in expected_model.parameters()]
+    assert_steps_of_one_process(run(_rank_run_frozen_outside_the_units), [norms], expected)

@@ -52,7 +52,7 @@ class FSDP2Adapter(ShardedAdapter):
     def __init__(self, model: nn.Module, timer: PhaseTimer) -> None:
         self.fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         _refuse_unsharded(model)
-        mesh = next(p for p in model.parameters()).device_mesh
+        mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh  # (frozen ones may not be)
         refuse_hybrid_sharding("FSDP2", mesh.ndim)
         # each parameter's unit: the innermost FSDPModule holding it
         self._unit_index: dict[int, int] = {}

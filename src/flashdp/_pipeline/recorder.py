@@ -287,7 +287,7 @@ class Recorder:
         other than the one it is counted under moves it to the generic rule. A call whose output a forward hook
         may have changed before the engine's saw it is refused unless the output is the rule's forward's (see
         `_hooked_before`). call: its (args, kwargs)."""
-        match = site.match
+        match, inputs = site.match, None
         if match.verify_with is not None or (not match.rule.recomputes and self._in_doubt(site)):
             inputs = _positional(module, *call)
             reference = match.verify_with or match.reference
@@ -302,7 +302,7 @@ class Recorder:
             site = self._plan.site(module)
         hooked = None if site.match.rule.recomputes else _hooked_before(module, self._hook_ids)
         if hooked:
-            _refuse_unless_its_rules(site, _positional(module, *call), output, hooked)
+            _refuse_unless_its_rules(site, inputs or _positional(module, *call), output, hooked)
         return site
 
     def _in_doubt(self, site: Site) -> bool:
@@ -379,14 +379,14 @@ class _Evidence:
 
     @classmethod
     def of(cls, module: nn.Module) -> _Evidence:
-        modules = tuple(module.modules()) if module._modules else (module,)
+        modules = _with_descendants(module)
         dicts = tuple(
             (m, k, dict(v)) for m in modules for k, v in vars(m).items() if type(v) is dict and not k.startswith("_")
         )
         return cls(_configurations(module), dicts, _tensor_state(modules))
 
     def changed(self, module: nn.Module) -> bool:
-        modules = tuple(module.modules()) if module._modules else (module,)
+        modules = _with_descendants(module)
         return (
             any(_changed(m, then) for m, then in self.attributes)
             or any(not _same_dict(vars(m).get(k), then) for m, k, then in self.dicts)
@@ -548,8 +548,12 @@ _ABSENT = object()
 
 def _configurations(module: nn.Module) -> tuple[tuple[nn.Module, dict[str, object]], ...]:
     """`_attributes` of the module and its descendants."""
-    modules = module.modules() if module._modules else (module,)
-    return tuple((m, _attributes(m)) for m in modules)
+    return tuple((m, _attributes(m)) for m in _with_descendants(module))
+
+
+def _with_descendants(module: nn.Module) -> tuple[nn.Module, ...]:
+    """The module and its descendants (without `modules()`'s walk for a module without children)."""
+    return tuple(module.modules()) if module._modules else (module,)
 
 
 #: attribute types that are not a module's configuration: its parameters', buffers', children's and hooks' dicts

@@ -17,9 +17,14 @@ from flashdp.errors import FlashDPError
 from flashdp.per_sample import accumulation_dtype
 
 
+def _param_group(module: FSDPModule) -> object | None:
+    """The unit's FSDPParamGroup (None: it holds no parameters): FSDP2's own record of its parameters."""
+    return module._get_fsdp_state()._fsdp_param_group
+
+
 def _divide_factor(module: FSDPModule, world_size: int) -> float | None:
     """The factor a unit's reduce-scatter divides by (None: the unit holds no parameters)."""
-    group = module._get_fsdp_state()._fsdp_param_group
+    group = _param_group(module)
     if group is None:
         return None
     return float(world_size if group.gradient_divide_factor is None else group.gradient_divide_factor)
@@ -74,7 +79,7 @@ class FSDP2Adapter(ShardedAdapter):
         yield from registered
         names = {id(p): name for name, p in registered}
         for module in self.fsdp_modules:
-            group = module._get_fsdp_state()._fsdp_param_group
+            group = _param_group(module)
             for param in group.fsdp_params if group is not None else ():
                 unsharded = getattr(param, "_unsharded_param", None)
                 if unsharded is not None:

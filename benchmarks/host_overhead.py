@@ -5,8 +5,11 @@
     python benchmarks/host_overhead.py --device cuda   # on a GPU: each step ends with a synchronisation
 
 64 blocks of LayerNorm(8) + Linear(8, 8), B=4, T=8, one thread: 128 recorded calls a step. The modes run in
-interleaved rounds (non-private, bk, ghost, ...); reported, the median step time of each and
-`(step - non-private step) / 128` in microseconds. On a GPU a step of a large model launches its kernels
+interleaved rounds (non-private, hooks floor, bk, ghost); reported, the median step time of each and
+`(step - non-private step) / 128` in microseconds. "hooks floor" is the least any design with a Python hook per
+layer call costs: a forward hook keeps each input, a tensor hook each output gradient, then per-sample gradients,
+norms, clipped sums and noise in a few torch ops per layer, none of flashdp's checks (the same norms for this model,
+nothing else: not a DP implementation). On a GPU a step of a large model launches its kernels
 asynchronously, so this host time is what the GPU waits for when it exceeds the kernels' time (Llama-3-8B at T=512 on
 an H100: about 0.1 ms of kernels per recorded call).
 """
@@ -21,13 +24,14 @@ import time
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import flashdp
 
 BLOCKS, BATCH, LENGTH, WIDTH = 64, 4, 8, 8
 CALLS = 2 * BLOCKS
-MODES = ("non-private", "bk", "ghost")
+MODES = ("non-private", "hooks floor", "bk", "ghost")
 
 
 def build() -> nn.Module:
@@ -38,6 +42,8 @@ def build() -> nn.Module:
 def make_step(mode: str, device: str = "cpu"):
     model, x = build().to(device), torch.randn(BATCH, LENGTH, WIDTH, device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if mode == "hooks floor":
+        return hooks_floor_step(model, x, optimizer)
     if mode == "non-private":
 
         def step() -> None:
@@ -54,6 +60,43 @@ def make_step(mode: str, device: str = "cpu"):
     def step() -> None:
         engine.backward(model(x).square().mean((1, 2)))
         engine.step()
+
+    return step
+
+
+def hooks_floor_step(model: nn.Sequential, x: torch.Tensor, optimizer: torch.optim.Optimizer):
+    """A step of the least per-call work: each layer's input kept by a forward hook, its output gradient `[B, T, d]`
+    by a tensor hook; per-sample gradients `[B, ...]`, their norms, the clipped sums and the noise after the
+    backward (which computes input gradients only, as flashdp's norm pass does)."""
+    kept: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+
+    def keep(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        output.register_hook(lambda grad: kept.append((module, args[0], grad)))
+
+    for layer in model:
+        layer.register_forward_hook(keep)
+    x = x.clone().requires_grad_()
+
+    def per_sample(module: nn.Module, inputs: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+        if isinstance(module, nn.Linear):
+            return [torch.bmm(grad.transpose(1, 2), inputs), grad.sum(1)]
+        normalised = F.layer_norm(inputs, module.normalized_shape, eps=module.eps)
+        return [(grad * normalised).sum(1), grad.sum(1)]
+
+    def step() -> None:
+        kept.clear()
+        torch.autograd.grad(model(x).square().mean((1, 2)).sum(), x)
+        with torch.no_grad():
+            grads = [(module, per_sample(module, inputs, grad)) for module, inputs, grad in kept]
+            norm_sq = sum(g.flatten(1).square().sum(1) for _, pair in grads for g in pair)
+            coef = (1.0 / norm_sq.sqrt().clamp_min(1e-6)).clamp(max=1.0)
+            for module, (weight, bias) in grads:
+                module.weight.grad = torch.einsum("b,b...->...", coef, weight)
+                module.bias.grad = coef @ bias
+            for param in model.parameters():
+                param.grad.add_(torch.randn_like(param))
+        optimizer.step()
+        optimizer.zero_grad()
 
     return step
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flashdp._pipeline.param_grad import ParamGradient
+from flashdp._pipeline.param_grad import ParamGradient, norms_together
 from flashdp.per_sample import OuterGrad, TokenRows
 from flashdp.rules import conv
 from tests.oracle import materialised
@@ -122,3 +122,59 @@ def test_bk_keeps_a_bfloat16_convolutions_dense_per_sample_gradients_in_bfloat16
         torch.testing.assert_close(norm.norm_sq.double(), kept.double().flatten(1).square().sum(1), rtol=1e-6, atol=0)
         exact = materialised(deferred.factors()).flatten(1).square().sum(1)
         torch.testing.assert_close(norm.norm_sq.double(), exact, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=0)
+
+
+small = st.integers(1, 9)
+
+
+@given(
+    rows_form=st.booleans(), count=st.integers(1, 4), batch=st.integers(1, 3), t=st.integers(1, 5), p=small, d=small,
+    strategy=st.sampled_from(["auto", "ghost", "direct"]), keep_for_sum=st.booleans(),
+)  # fmt: skip
+def test_norms_taken_together_are_each_parameters_own(rows_form, count, batch, t, p, d, strategy, keep_for_sum):
+    """Several parameters' norms from one computation over their stacked rows: each norm and clipped sum is its own
+    parameter's, against per-sample gradients materialised one parameter at a time."""
+    gradients, dense = [], []
+    for _ in range(count):
+        gradient = ParamGradient("w", (p, d), batch, strategy)
+        if rows_form:
+            contribution = torch.randn(batch, p, d, dtype=torch.float64)
+            dense.append(contribution)
+        else:
+            contribution = OuterGrad(*(torch.randn(batch, t, k, dtype=torch.float64) for k in (p, d)))
+            dense.append(materialised(contribution))
+        gradient.add(contribution, "test")
+        gradients.append(gradient)
+    assert len({g.stacking_key() for g in gradients} - {None}) == 1
+    coef = torch.rand(batch, dtype=torch.float64)
+    for norm, per_sample in zip(norms_together(gradients, keep_for_sum), dense, strict=True):
+        torch.testing.assert_close(norm.norm_sq, per_sample.flatten(1).square().sum(1))
+        if keep_for_sum:
+            torch.testing.assert_close(norm.plan.clipped_sum(coef), torch.einsum("n,npd->pd", coef, per_sample))
+        else:
+            assert norm.plan is None
+
+
+def test_only_gradients_of_one_small_simple_form_and_shape_share_a_stacking_key():
+    def gradient(shape, *contributions, batch=2):
+        g = ParamGradient("w", shape, batch)
+        for c in contributions:
+            g.add(c, "test")
+        return g
+
+    def block(t, p, d, dtype=torch.float32):
+        return OuterGrad(torch.randn(2, t, p, dtype=dtype), torch.randn(2, t, d, dtype=dtype))
+
+    keys = [
+        gradient((3, 4), block(5, 3, 4)).stacking_key(),
+        gradient((3, 4), block(6, 3, 4)).stacking_key(),  # another T
+        gradient((3, 4), block(5, 3, 4, torch.float64)).stacking_key(),
+        gradient((3, 4), torch.randn(2, 3, 4)).stacking_key(),
+        gradient((4, 3), torch.randn(2, 4, 3)).stacking_key(),
+    ]
+    assert None not in keys and len(set(keys)) == len(keys)
+    assert gradient((3, 4), block(5, 3, 4), block(5, 3, 4)).stacking_key() is None  # two blocks
+    tokens = OuterGrad(TokenRows(torch.zeros(2, 5, dtype=torch.long), 3), torch.randn(2, 5, 4))
+    assert gradient((3, 4), tokens).stacking_key() is None
+    assert gradient((3, 4), block(4096, 3, 4)).stacking_key() is None  # large
+    assert gradient((3, 4), torch.randn(0, 3, 4), batch=0).stacking_key() is None

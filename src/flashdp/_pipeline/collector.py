@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from flashdp._pipeline.norm_pass import OutputGrads, check_call, per_sample_gradients
-from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice
+from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice, norms_together
 from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.plan import GradientPlan, Site
 from flashdp._pipeline.recorder import Call, Recorder, as_called
@@ -28,6 +28,10 @@ from flashdp.kernels import Backend
 from flashdp.kernels import backend as kernels_backend
 from flashdp.per_sample import DeferredOuterGrad, PerSampleGrad
 from flashdp.rules.recompute import DeferredCheck, deferring_checks
+
+#: the most elements the gradients waiting for `norms_together` may hold (a pass holds them a little longer than
+#: one parameter at a time would)
+STACKING_BUDGET = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,9 @@ class NormCollector:
         self._parts: dict[Hashable, list[_Part]] = {}
         self._first_call: dict[Hashable, int] = {}
         self._norms: dict[Hashable, ParamNorm] = {}
+        #: parameters whose norms wait to be taken together (`norms_together`), by stacking key, and their elements
+        self._stacking: dict[Hashable, list[tuple[Hashable, ParamGradient]]] = {}
+        self._stacking_elements = 0
         self.gradients: dict[Hashable, ParamGradient] = {}
         self._unreached: list[Call] = []
         self.deferred: list[DeferredCheck] | None = [] if defer_checks else None
@@ -147,9 +154,22 @@ class NormCollector:
         gradient = ParamGradient(param.name, param.shape, self.batch, self._strategy, self._users)
         for part in sorted(parts, key=lambda p: p.call_index) if len(parts) > 1 else parts:
             gradient.add(part.grad, part.source, generic=part.generic)
-        self._norms[key] = gradient.norm_sq(self._keep_for_sum)
         if self._keep_gradients:
             self.gradients[key] = gradient
+        stacking = gradient.stacking_key()
+        if stacking is None:
+            self._norms[key] = gradient.norm_sq(self._keep_for_sum)
+            return
+        self._stacking.setdefault(stacking, []).append((key, gradient))
+        self._stacking_elements += gradient.elements
+        if self._stacking_elements > STACKING_BUDGET:
+            self._norms_of_stacked()
+
+    def _norms_of_stacked(self) -> None:
+        for waiting in self._stacking.values():
+            keys = [key for key, _ in waiting]
+            self._norms.update(zip(keys, norms_together([g for _, g in waiting], self._keep_for_sum), strict=True))
+        self._stacking, self._stacking_elements = {}, 0
 
     def finish(self) -> list[tuple[TrainableParam, ParamNorm]]:
         """Every reached parameter's norms, in the order of the first call counting it (as a single pass over the
@@ -161,6 +181,7 @@ class NormCollector:
         with torch.no_grad(), kernels_backend(self._backend):
             for key in list(self._parts):  # parameters some of whose calls do not reach the loss
                 self._finalise(key)
+            self._norms_of_stacked()
         if not self._norms:
             raise no_trainable_layer_error()
         order = sorted(self._norms, key=self._first_call.__getitem__)

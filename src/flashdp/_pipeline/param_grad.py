@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,6 +27,11 @@ from flashdp.per_sample import (
 )
 
 StrategyChoice = Literal["auto", "ghost", "direct"]
+
+#: per sample, the most elements a parameter's contributions may hold for its norm to be taken together with others'
+#: (`norms_together`): their rows are copied into one stack, worth it where a parameter's own few ops and their
+#: Python cost more host time than the copy (biases, normalisation weights, small layers' blocks)
+STACKED_ELEMENTS = 1 << 12
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,16 @@ class ClippedSumPlan:
         parts += [call.weighted_sum(coef) for call in self.weighted]
         return functools.reduce(torch.add, (p if p.shape == self.shape else p.reshape(self.shape) for p in parts))
 
+    def rows_of(self, rows: slice) -> ClippedSumPlan:
+        """The plan of rows `rows` only (one parameter's, of several stacked by `norms_together`): per-sample
+        gradients and factors alone."""
+        f = self.factors
+        return ClippedSumPlan(
+            self.shape,
+            None if self.per_sample is None else self.per_sample[rows],
+            None if f is None else OuterGrad(f.left[rows], f.right[rows], f.conv_groups),
+        )
+
     def dropping(self, keep: Tensor) -> ClippedSumPlan:
         """The plan without the samples where `keep` `[B]` is False: their rows are zeros (a NaN or inf in them
         would survive a zero coefficient, 0 * NaN being NaN)."""
@@ -121,6 +136,10 @@ class ParamNorm:
     strategy: str
     #: what the clipped sum needs; None unless asked for (ghost and flash take theirs from a second backward)
     plan: ClippedSumPlan | None
+
+    def rows_of(self, rows: slice) -> ParamNorm:
+        """The norms and plan of rows `rows` only (see `norms_together`)."""
+        return ParamNorm(self.norm_sq[rows], self.strategy, None if self.plan is None else self.plan.rows_of(rows))
 
     def dropping(self, keep: Tensor) -> ParamNorm:
         """Without the samples where `keep` `[B]` is False in the clipped sum (see `ClippedSumPlan.dropping`)."""
@@ -220,6 +239,34 @@ class ParamGradient:
             self._layout = (groups, block_shape)
         elif self._layout != (groups, block_shape):
             raise FlashDPError(f"'{self.name}' is used by layers whose gradients do not share a layout ({source}).")
+
+    @property
+    def elements(self) -> int:
+        """The elements its contributions hold."""
+        tensors = [self.per_sample] if self.per_sample is not None else []
+        tensors += [x for block in self.blocks for x in (block.left, block.right) if isinstance(x, Tensor)]
+        return sum(t.numel() for t in tensors)
+
+    def stacking_key(self) -> Hashable | None:
+        """What another parameter's gradient must share for both norms to be taken together (`norms_together`):
+        the form (per-sample rows alone, or one dense block of factors), the shapes, dtypes and devices. None where
+        the norm is taken alone: large contributions, forms of several parts (tokens, a tied parameter's mixed
+        contributions, convolution groups, a layer's own sums), users' rows, an empty batch."""
+        if self._users is not None or not self.batch_size:
+            return None
+        if self.per_sample is not None and not self.blocks:
+            tensors = (self.per_sample,)
+            form = ("rows", bool(self._bfloat16_layers) and all(self._bfloat16_layers), self._per_sample_strategy())
+        elif self.per_sample is None and len(self.blocks) == 1 and self._summed_by_layer[0] is None:
+            block = self.blocks[0]
+            if block.is_tokens or block.conv_groups != 1:
+                return None
+            tensors, form = (block.left, block.right), ("factors",)
+        else:
+            return None
+        if self.elements > STACKED_ELEMENTS * self.batch_size:
+            return None
+        return (*form, self.shape, self.strategy_choice, *((t.shape[1:], t.dtype, t.device) for t in tensors))
 
     def norm_sq(self, keep_for_sum: bool) -> ParamNorm:
         """The `[B]` squared norms, and with `keep_for_sum` the plan of the clipped sum."""
@@ -321,6 +368,26 @@ class ParamGradient:
 
     def _per_sample_strategy(self) -> str:
         return "generic" if self.generic else "direct" if self.dense_direct else "per-sample"
+
+
+def norms_together(gradients: Sequence[ParamGradient], keep_for_sum: bool) -> list[ParamNorm]:
+    """`norm_sq` of gradients of one `stacking_key`, from ONE computation over their rows stacked `[n B, ...]`: each
+    norm is taken row by row, so every row's is its own gradient's; a step of many small layers pays a few ops for
+    all of them, not a few per parameter."""
+    first = gradients[0]
+    if len(gradients) == 1:
+        return [first.norm_sq(keep_for_sum)]
+    stacked = ParamGradient(first.name, first.shape, first.batch_size * len(gradients), first.strategy_choice)
+    stacked.generic, stacked.dense_direct = first.generic, first.dense_direct
+    if first.per_sample is not None:
+        stacked.per_sample = torch.cat([g.per_sample for g in gradients])
+        stacked._bfloat16_layers = first._bfloat16_layers
+    else:
+        blocks = [g.blocks[0] for g in gradients]
+        stacked.blocks = [OuterGrad(torch.cat([b.left for b in blocks]), torch.cat([b.right for b in blocks]))]
+        stacked._summed_by_layer = [None]
+    norm, rows = stacked.norm_sq(keep_for_sum), first.batch_size
+    return [norm.rows_of(slice(i * rows, (i + 1) * rows)) for i in range(len(gradients))]
 
 
 def _kept_in_bfloat16(materialised: Tensor) -> tuple[Tensor, Tensor]:

@@ -228,6 +228,30 @@ def test_unsupported_embedding_options(kwargs, match):
         flashdp.make_private(nn.Embedding(5, 3, **kwargs), mode="bk", max_grad_norm=1.0)
 
 
+@pytest.mark.parametrize(
+    "layer, setting, match",
+    [
+        (lambda: nn.Embedding(6, 3), {"scale_grad_by_freq": True}, "scale_grad_by_freq=True"),
+        (lambda: nn.Embedding(6, 3), {"sparse": True}, "sparse=True"),
+        (lambda: nn.EmbeddingBag(6, 3, mode="sum"), {"mode": "max"}, "mode='max'"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_setting_refused_at_make_private_is_refused_when_set_later(layer, setting, match, mode):
+    """The rule's check of a layer's settings runs at every call, not at make_private only: set after a clean
+    step, each of these was counted as before (EmbeddingBag's max pooling: norms 2x off, silently)."""
+    layer = layer()
+    model = nn.Sequential(layer, nn.Flatten(), nn.LazyLinear(1)) if isinstance(layer, nn.Embedding) else layer
+    ids = torch.tensor([[1, 1, 2, 4], [3, 3, 4, 5], [1, 2, 0, 0]])
+    model(ids)  # (materialises the lazy layer)
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    engine.backward(model(ids).square().sum(1))
+    for name, value in setting.items():
+        setattr(layer, name, value)
+    with pytest.raises(FlashDPError, match=f"{layer.__class__.__name__}.*{match}"):
+        engine.backward(model(ids).square().sum(1))
+
+
 def test_subclass_overriding_forward_moves_to_the_generic_rule():
     """A subclass whose forward is not its rule's: checked on its first call, then counted by the generic rule."""
     from tests.oracle import check_against_oracle

@@ -286,8 +286,15 @@ class Recorder:
         holds its own `forward`, its class changed, or hooks may change what its descendants compute: a verdict
         other than the one it is counted under moves it to the generic rule. A call whose output a forward hook
         may have changed before the engine's saw it is refused unless the output is the rule's forward's (see
-        `_hooked_before`). call: its (args, kwargs)."""
+        `_hooked_before`). call: its (args, kwargs). The rule's check of the module's settings runs at every call:
+        make_private refused what it refuses, and a setting may be changed later."""
         match, inputs = site.match, None
+        reason = match.rule.check(module) if match.rule.check else None
+        if reason:
+            raise FlashDPError(
+                f"Layer {site.label}: {reason}. make_private refuses this setting, set since: nothing was computed. "
+                "Set it back, or freeze the layer (p.requires_grad_(False)) and call make_private again."
+            )
         if match.verify_with is not None or (not match.rule.recomputes and self._in_doubt(site)):
             inputs = _positional(module, *call)
             reference = match.verify_with or match.reference

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -8,7 +10,7 @@ import flashdp
 from flashdp._pipeline.param_grad import ParamGradient
 from flashdp.per_sample import accumulation_dtype
 from flashdp.rules import conv
-from tests.oracle import check_against_oracle, materialised
+from tests.oracle import assert_clipped_sums, check_against_oracle, clip, materialised, per_sample_grads
 from tests.steps import check_steps
 from tests.strategies import batches, modes, norm_strategies, per_sample_loss
 
@@ -269,3 +271,40 @@ def test_a_convolution_on_frames_folded_into_the_batch_matches_oracle(
     model = Frames(layer).double()
     x = torch.randn(batch, frames, 4, 5, 5, dtype=torch.float64)
     check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), batch, mode=mode, norm_strategy=strategy)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize(
+    "layer, later, side",
+    [
+        (lambda: nn.Conv1d(3, 4, 3, padding=1, stride=4), {"padding": "valid"}, 7),  # norms were 23% low
+        (lambda: nn.Conv1d(3, 4, 3, padding=1), {"padding": 0}, 7),
+        (lambda: nn.Conv2d(3, 4, 3, padding="same"), {"dilation": (2, 2)}, 6),  # 'same' widens with dilation
+        (lambda: nn.Conv2d(3, 4, 3), {"stride": 2, "padding": 1, "dilation": 2}, 7),
+        (lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), {"padding": 0}, 6),  # stale, as PyTorch
+        (lambda: nn.ConvTranspose2d(3, 4, 3), {"stride": 2, "dilation": 2, "padding": (1, 1)}, 4),
+    ],
+)
+def test_settings_assigned_after_construction_are_read_as_the_forward_reads_them(layer, later, side, mode):
+    """The constructor turns padding into F.pad's pairs and stride, padding and dilation into per-dim ints; the
+    forward reads an assignment made later as it is (an int, 'valid', 'same' for the dilation of the call) except
+    that a padding mode other than zeros pads by the constructor's pairs. The rule reads them alike, on a later
+    step of one engine (it read the constructor's pairs: silently low norms, or a crash on ints)."""
+    torch.manual_seed(0)
+    model = layer().double()
+    reference = copy.deepcopy(model)
+    spatial = len(model.kernel_size)
+    x = torch.randn(3, 3, *(side,) * spatial, dtype=torch.float64)
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    engine.backward(per_sample_loss(model(x)))
+    model.zero_grad(set_to_none=True)
+    for target in (model, reference):
+        for name, value in later.items():
+            setattr(target, name, value)
+    expected_norms, expected_sums = clip(
+        per_sample_grads(reference, lambda s: per_sample_loss(reference(x[s])), 3), "flat", 1.0
+    )
+    torch.testing.assert_close(
+        engine.backward(per_sample_loss(model(x))).double(), expected_norms, rtol=1e-6, atol=1e-9
+    )
+    assert_clipped_sums(model, expected_sums, 1e-7)

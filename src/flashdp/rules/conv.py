@@ -66,7 +66,7 @@ def conv_transpose_grads(
     x = _batched(module, inputs[0])
     out = _bias(module, grad_output, trainable)
     if "weight" in trainable:
-        padding = [p for size in reversed(module.padding) for p in (size, size)]
+        padding = [p for size in reversed(_per_dim(module, module.padding)) for p in (size, size)]
 
         def factors() -> OuterGrad:
             rows = _rows(module, grad_output)
@@ -128,12 +128,13 @@ def _weight_grad(module: Conv | ConvTranspose, x: Tensor, grad_output: Tensor, c
     """The weight gradient of the convolution `module` from x to grad_output, its weight repeated `copies` times
     along dim 0 with as many times the groups (`copies` samples folded into the channels)."""
     transposed = isinstance(module, ConvTranspose)
-    padding: Sequence[int] | str = module.padding
     output_padding = [0] * len(module.kernel_size)
     if transposed:
-        output_padding = _output_padding(module, x, grad_output)
-    elif module.padding_mode != "zeros" or isinstance(padding, str):
+        padding, output_padding = _per_dim(module, module.padding), _output_padding(module, x, grad_output)
+    elif module.padding_mode != "zeros" or isinstance(module.padding, str):
         x, padding = _padded(module, x), output_padding
+    else:
+        padding = _per_dim(module, module.padding)
     shape = _weight_shape(module)
     with _full_float32(x, x.dtype):
         _, grads, _ = torch.ops.aten.convolution_backward(
@@ -141,9 +142,9 @@ def _weight_grad(module: Conv | ConvTranspose, x: Tensor, grad_output: Tensor, c
             x,
             x.new_empty((copies * shape[0], *shape[1:])),  # (read for its shape)
             None,
-            module.stride,
+            _per_dim(module, module.stride),
             padding,
-            module.dilation,
+            _per_dim(module, module.dilation),
             transposed,
             output_padding,
             copies * module.groups,
@@ -170,9 +171,9 @@ def _output_padding(module: ConvTranspose, x: Tensor, grad_output: Tensor) -> li
         for out, size, s, p, d, k in zip(
             grad_output.shape[2:],
             x.shape[2:],
-            module.stride,
-            module.padding,
-            module.dilation,
+            _per_dim(module, module.stride),
+            _per_dim(module, module.padding),
+            _per_dim(module, module.dilation),
             module.kernel_size,
             strict=True,
         )
@@ -189,13 +190,6 @@ def _weight_shape(module: Conv | ConvTranspose) -> tuple[int, ...]:
 def _full_float32(x: Tensor, dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """cuDNN without TF32 for a float32 convolution on CUDA; elsewhere nothing."""
     return ieee_float32_convolutions() if x.is_cuda and dtype == torch.float32 else contextlib.nullcontext()
-
-
-def _weight_shape(module: Conv | ConvTranspose) -> tuple[int, ...]:
-    """`[o, c/g, *k]`, transposed `[c, o/g, *k]`: from the layer's settings, not its weight (under FSDP a shard)."""
-    inputs, outputs = module.in_channels, module.out_channels
-    first, second = (inputs, outputs) if isinstance(module, ConvTranspose) else (outputs, inputs)
-    return (first, second // module.groups, *module.kernel_size)
 
 
 def _batched(module: Conv | ConvTranspose, x: Tensor) -> Tensor:
@@ -217,11 +211,32 @@ def _bias(module: Conv | ConvTranspose, grad_output: Tensor, trainable: frozense
     return {"bias": sum_over_positions(grad_output.movedim(channels, -1), 1)}
 
 
+def _per_dim(module: Conv | ConvTranspose, value: int | Sequence[int]) -> list[int]:
+    """A stride, padding or dilation as one int per spatial dim: the constructor makes them so, an assignment after
+    it may hold one int for all, which the forward reads alike."""
+    return list(value) if isinstance(value, Sequence) else [value] * len(module.kernel_size)
+
+
 def _padded(module: Conv, x: Tensor) -> Tensor:
     """The input as the convolution sees it: explicitly padded ('same', 'valid', ints, any padding_mode)."""
-    pad = module._reversed_padding_repeated_twice
+    pad = _explicit_padding(module)
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
     return F.pad(x, pad, mode=mode) if any(pad) else x
+
+
+def _explicit_padding(module: Conv) -> list[int]:
+    """The padding the forward applies, as F.pad's pairs from the last dim. A padding mode other than zeros pads by
+    the pairs the constructor computed (`_reversed_padding_repeated_twice`, stale after an assignment, as the
+    forward reads them); zeros pads by `padding` as it is at the call: ints, 'valid', or 'same' for the call's
+    dilation (the extra position of an odd total on the right)."""
+    if module.padding_mode != "zeros":
+        return list(module._reversed_padding_repeated_twice)
+    if module.padding == "valid":
+        return [0] * 2 * len(module.kernel_size)
+    if module.padding == "same":
+        totals = [d * (k - 1) for d, k in zip(_per_dim(module, module.dilation), module.kernel_size, strict=True)]
+        return [p for total in reversed(totals) for p in (total // 2, total - total // 2)]
+    return [p for size in reversed(_per_dim(module, module.padding)) for p in (size, size)]
 
 
 def _unfold(x: Tensor, module: Conv | ConvTranspose, groups: int, positions: Sequence[int] | None = None) -> Tensor:
@@ -231,7 +246,8 @@ def _unfold(x: Tensor, module: Conv | ConvTranspose, groups: int, positions: Seq
     convolution's output_padding can leave windows past its input)."""
     spatial = len(module.kernel_size)
     x = x.unflatten(1, (groups, -1))  # [B, g, c/g, *S]
-    for i, (k, d, s) in enumerate(zip(module.kernel_size, module.dilation, module.stride, strict=True)):
+    dilation, stride = _per_dim(module, module.dilation), _per_dim(module, module.stride)
+    for i, (k, d, s) in enumerate(zip(module.kernel_size, dilation, stride, strict=True)):
         x = x.unfold(3 + i, (k - 1) * d + 1, s)[..., ::d]  # appends this dim's window
         if positions is not None:
             x = x.narrow(3 + i, 0, positions[i])

@@ -28,8 +28,9 @@ def embedding_grads(
     batch = ids.shape[0]
     ids = ids.reshape(batch, -1)
     g = grad_output.reshape(batch, -1, grad_output.shape[-1])
-    if module.padding_idx is not None:
-        g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
+    padding = _padding_row(module)
+    if padding is not None:
+        g = g * (ids != padding).unsqueeze(-1).to(g.dtype)
     return {"weight": OuterGrad(TokenRows(ids, module.num_embeddings), g)}
 
 
@@ -43,13 +44,21 @@ def embedding_bag_grads(call: LayerCall) -> dict[str, OuterGrad]:
     a = call.arguments(nn.EmbeddingBag)
     grad_output = call.grad_output(0)
     ids, weights, valid = _bags(module, a["input"], a["offsets"], a["per_sample_weights"], grad_output.shape[0])
-    if module.padding_idx is not None:
-        valid = valid & (ids != module.padding_idx)
+    padding = _padding_row(module)
+    if padding is not None:
+        valid = valid & (ids != padding)
     coefficient = valid.to(grad_output.dtype) if weights is None else weights.to(grad_output.dtype) * valid
     if module.mode == "mean":
         coefficient = coefficient / valid.sum(1, keepdim=True).clamp_min(1)
     right = coefficient.unsqueeze(-1) * grad_output.unsqueeze(1)  # [B, N, d]
     return {"weight": OuterGrad(TokenRows(ids, module.num_embeddings), right)}
+
+
+def _padding_row(module: nn.Embedding | nn.EmbeddingBag) -> int | None:
+    """The row `padding_idx` names, as the forward reads it: a negative index counts from the end (the constructor
+    makes it non-negative; an assignment after it may not)."""
+    index = module.padding_idx
+    return index + module.num_embeddings if index is not None and index < 0 else index
 
 
 def _bags(

@@ -37,7 +37,9 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
     # inputs of B * k rows, and inputs of B rows where the outputs fold the batch into rows (a router's
     # `x.view(-1, d)` of `[B, T, d]`): each sample's rows
     batched = [i for i, x in enumerate(leaves) if _has_batch(x, batch * rows) or _has_batch(x, batch)]
-    params = {name: p.detach() for name, p in call.params.items()}
+    # (`.data`: the re-run's own version counters: a forward that writes to a parameter in place is refused here,
+    # `_refuse_modified_params`, before autograd, holding the parameter, fails on its version in a later pass)
+    params = {name: p.data for name, p in call.params.items()}
     # only the outputs that reach the loss: the others add nothing (and may mix samples, like CLIP's logits)
     used = [j for j, g in enumerate(call.grad_outputs) if g is not None]
     shared = tuple(bool(call.shared and call.shared[j]) for j in used)
@@ -58,8 +60,10 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
         return grads, outputs
 
     per_sample_inputs = tuple(_by_sample(leaves[i], batch) for i in batched)
+    versions = [p._version for p in params.values()]
     with autocast_like(call), torch.enable_grad():
         grads, outputs = _each_sample(call.label, one_sample, per_sample_inputs, cotangents)
+    _refuse_modified_params(call, params, versions)
     recorded = [call.outputs[j] for j in used]
     if any(r is None for r in recorded):  # a module first recorded only as an enclosing scope: no outputs kept
         recorded = _batch_outputs(call, params, tree_unflatten(leaves, spec), output_slots)
@@ -139,6 +143,21 @@ def _vmap_error(label: str, error: Exception) -> FlashDPError:
         f"The generic rule cannot compute per-sample gradients for {label}: torch.func.vmap cannot run its forward "
         f"one sample at a time ({type(error).__name__}: {said.splitlines()[0][:300]}): {cause}"
     )
+
+
+def _refuse_modified_params(call: LayerCall, params: dict[str, Tensor], versions: list[int]) -> None:
+    """The re-run must not write to the parameters (it reads them through `.data`: their storage, their own version
+    counters): a forward that writes to one in place (`nn.Embedding(max_norm=...)` renormalises the rows it reads)
+    writes again, behind the back of autograd, which holds the parameter for the rest of the backward."""
+    changed = [name for (name, p), then in zip(params.items(), versions, strict=True) if p._version != then]
+    if changed:
+        raise FlashDPError(
+            f"The forward of {call.label} modifies its parameters {changed} in place (nn.Embedding with max_norm "
+            "renormalises the rows it reads in place): flashdp's generic rule re-runs that forward to count the "
+            "per-sample gradients, and would modify them again while autograd holds them. Nothing was added to "
+            ".grad. Renormalise outside the forward (max_norm=None, and renorm the weight under torch.no_grad() "
+            "after each step), or use the parameter only inside its own layer (an untied output head)."
+        )
 
 
 def _refuse_unswapped_reads(call: LayerCall, outputs: tuple[Tensor, ...]) -> None:

@@ -1463,3 +1463,29 @@ def test_an_embedding_bag_subclass_of_another_signature_keeps_its_rule(bag):
     engine.backward(model(batches[0]).square().sum(1))
     assert engine.strategies["0.weight"] == "tokens"  # (its rule's, not the generic rule's)
     engine.detach()
+
+
+class _BatchStatistics(nn.Module):
+    """Batch normalisation without parameters: batch statistics (samples mix) in training, running ones in eval."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+        self.register_buffer("var", torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(x, self.mean, self.var, training=self.training)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_op_that_mixes_samples_only_in_training_is_refused_after_an_eval_first_step(mode):
+    """The same ops in eval (running statistics: no mixing) and in training (batch statistics): a flag an op saves
+    makes another structure, verified anew (first step in eval, as a model from `from_pretrained` is; then train()
+    was accepted with norms 2x off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _BatchStatistics(4), nn.Tanh(), nn.Linear(4, 1)).double().eval()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    engine.backward(model(torch.randn(4, 3, dtype=torch.float64)).squeeze(1).square())
+    model.train()
+    with pytest.raises(FlashDPError, match="per-sample gradients"):
+        engine.backward(model(torch.randn(4, 3, dtype=torch.float64)).squeeze(1).square())

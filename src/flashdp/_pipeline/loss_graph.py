@@ -41,12 +41,13 @@ class LossGraph:
     def operations(self) -> Operations:
         """The graph's operations and their wiring, comparable across backwards: the number of nodes and a hash of,
         per node in an order fixed by the graph's shape, its type (the op, e.g. `FlipBackward0`, or a custom
-        Function's), the dims it works along (`_dim_attributes`) and, per input slot, the number of the node it
-        reads (and which of that node's outputs), or None. Equal for two graphs that compute the same ops along the
-        same dims in the same arrangement, whatever the sizes and values; different where an op is added, removed,
-        rewired or moved to another dim (a flip of the rows, a transpose to time-major, a loss that subtracts the
-        batch mean, a cumulative sum over the batch where it was over time), but for a 64-bit hash collision. Kept
-        as a hash: a model whose graph differs on every step keeps one per verified structure."""
+        Function's), the dims it works along and the flags it saved (`_structure_attributes`) and, per input slot,
+        the number of the node it reads (and which of that node's outputs), or None. Equal for two graphs that
+        compute the same ops along the same dims in the same modes and arrangement, whatever the sizes and values;
+        different where an op is added, removed, rewired, moved to another dim or run in another mode (a flip of the
+        rows, a transpose to time-major, a loss that subtracts the batch mean, a cumulative sum over the batch where
+        it was over time, batch statistics where running ones were read), but for a 64-bit hash collision. Kept as
+        a hash: a model whose graph differs on every step keeps one per verified structure."""
         return self._index[1]
 
     def places(self, edges: Iterable[tuple[GradientEdge, ...]]) -> tuple[tuple[tuple[int, int] | None, ...], ...]:
@@ -80,9 +81,9 @@ class LossGraph:
                     pending.append(child)
                 inputs.append((number[child], output_nr))
             kind = type(node)  # (the dims inline: this loop runs over every node on every backward)
-            names = _DIM_ATTRIBUTES.get(kind)
+            names = _STRUCTURE_ATTRIBUTES.get(kind)
             if names is None:
-                names = _dim_attributes(node)
+                names = _structure_attributes(node)
             operations.append((kind, tuple(inputs), _dims(node, names) if names else ()))
         return parents, (len(operations), hash(tuple(operations))), number
 
@@ -131,16 +132,18 @@ def _dims(node: Node, names: tuple[str, ...]) -> tuple:
 
 
 #: per node type, the names of the dims its op saved (`_saved_dim`, `_saved_dims`, `_saved_dim0`, `_saved_keepdim`)
-_DIM_ATTRIBUTES: dict[type, tuple[str, ...]] = {}
+_STRUCTURE_ATTRIBUTES: dict[type, tuple[str, ...]] = {}
 
 
-def _dim_attributes(node: Node) -> tuple[str, ...]:
+def _structure_attributes(node: Node) -> tuple[str, ...]:
     """The names of the dims `node`'s op works along, as saved for its backward (`flip(dims)`, `cumsum(dim)`,
-    `transpose(dim0, dim1)`, `cat(dim)`, `sum(dim, keepdim)`...): a step that flips, sums or concatenates along
-    another dim with the same ops is another structure. Not the op's other arguments, which may be sizes (a
-    slice's end, a split's size: a new structure on every sequence length) or shifts."""
+    `transpose(dim0, dim1)`, `cat(dim)`, `sum(dim, keepdim)`...), and of the flags it saved (`batch_norm(training)`:
+    batch statistics mix samples, running ones do not): a step that flips, sums or concatenates along another dim
+    with the same ops, or runs one in another mode, is another structure. Not the op's other arguments, which may
+    be sizes (a slice's end, a split's size: a new structure on every sequence length) or shifts."""
+    saved = {a: getattr(node, a) for a in dir(node) if a.startswith("_saved_")}
     names = tuple(
-        a for a in dir(node) if a.startswith("_saved_") and "dim" in a and not isinstance(getattr(node, a), Tensor)
+        a for a, value in saved.items() if ("dim" in a and not isinstance(value, Tensor)) or isinstance(value, bool)
     )
-    _DIM_ATTRIBUTES[type(node)] = names
+    _STRUCTURE_ATTRIBUTES[type(node)] = names
     return names

@@ -143,6 +143,47 @@ def test_bf16_autocast_agrees_with_float32(mode):
     assert (grads16 - grads32).norm() <= 3e-2 * grads32.norm()
 
 
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mha = nn.Linear(4, 8), nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.mha(h, h, h, need_weights=False)[0]
+
+
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        config = MixtralConfig(hidden_size=8, intermediate_size=6, num_local_experts=4, num_experts_per_tok=2)
+        config._experts_implementation = "eager"
+        self.inp, self.moe = nn.Linear(4, 8), MixtralSparseMoeBlock(config)
+        for param in self.moe.parameters():  # (created empty: a model's from_pretrained or init fills them)
+            nn.init.normal_(param, std=0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(self.inp(x))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("build", [_Attention, _Experts])
+def test_layers_whose_rules_recompute_run_under_autocast(build, mode):
+    """Rules that recompute part of a layer (attention's projections, the experts' hidden activations) run as the
+    forward did under CPU bfloat16 autocast, checked against autograd's per-sample gradients on every step (a bare
+    dtype error before: float32 weights on bfloat16 activations)."""
+    torch.manual_seed(0)
+    model = build()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=1)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(3, 5, 4))
+        assert torch.isfinite(engine.backward(out.float().square().sum((1, 2)))).all()
+
+
 def test_model_is_not_wrapped_and_detach_removes_every_hook():
     model = _mlp()
     keys = list(model.state_dict())

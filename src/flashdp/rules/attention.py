@@ -40,7 +40,7 @@ def mha_grads(call: LayerCall) -> dict[str, PerSampleGrad]:
     q_w, k_w, v_w = _projection_weights(call)
     q_b, k_b, v_b = _projection_biases(call)
     out_w, out_b = call.tensor("out_proj.weight"), call.tensor("out_proj.bias")
-    with torch.no_grad():
+    with torch.no_grad(), autocast_like(call):  # (the projections as the forward ran them: under its autocast)
         q, k, v = (F.linear(x, w, b) for x, w, b in ((query, q_w, q_b), (key, k_w, k_b), (value, v_w, v_b)))
     leaves = [x.requires_grad_() for x in (q, k, v)]
     key_padding_mask, attn_mask = a["key_padding_mask"], a["attn_mask"]
@@ -63,7 +63,9 @@ def mha_grads(call: LayerCall) -> dict[str, PerSampleGrad]:
             v_proj_weight=eye, average_attn_weights=a["average_attn_weights"], is_causal=a["is_causal"],
         )  # fmt: skip
     recorded = call.outputs[0] if call.output_meta[0].slot == 0 else None
-    check_recomputed(call.label, recorded, seq_first(F.linear(context.detach(), out_w, out_b)), "from q, k, v")
+    with autocast_like(call):
+        output = seq_first(F.linear(context.detach(), out_w, out_b))
+    check_recomputed(call.label, recorded, output, "from q, k, v")
 
     g_out = call.grad_output(0)
     g_out = torch.zeros_like(context) if g_out is None else seq_first(g_out)  # [L, B, E]

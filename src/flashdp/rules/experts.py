@@ -115,13 +115,15 @@ def routed_experts_grads(
     rows, weights = _routed_rows(top_k_index, top_k_weights, experts)  # [B, E, R]
     xs, gs = (_gather(t, rows) for t in (x, g))  # [B, E, R, d]
     dy = gs * weights.to(gs.dtype)[..., None]
+    # (under autocast the activations are 16-bit and the weights not: recomputed in the wider of the two)
+    wide = torch.promote_types(xs.dtype, gate_up.dtype)
     with torch.enable_grad():
-        projected = torch.einsum("berd,eod->bero", xs, gate_up)
+        projected = torch.einsum("berd,eod->bero", xs.to(wide), gate_up.to(wide))
         if getattr(module, "has_bias", False):
             projected = projected + module.gate_up_proj_bias.detach()[:, None, :]
         projected = projected.detach().requires_grad_()
         hidden = _gate(module, projected)  # [B, E, R, I]
-        (dh,) = torch.autograd.grad(hidden, projected, torch.einsum("berd,edi->beri", dy, down))
+        (dh,) = torch.autograd.grad(hidden, projected, torch.einsum("berd,edi->beri", dy.to(wide), down.to(wide)))
     dy, hidden, dh, xs = (t.flatten(0, 1) for t in (dy, hidden.detach(), dh, xs))  # [B * E, R, *]
     transposed = getattr(module, "is_transposed", False)
     grads: dict[str, PerSampleGrad] = {

@@ -87,15 +87,15 @@ class ClippedSumPlan:
         parts += [call.weighted_sum(coef) for call in self.weighted]
         return functools.reduce(torch.add, (p if p.shape == self.shape else p.reshape(self.shape) for p in parts))
 
-    def rows_of(self, rows: slice) -> ClippedSumPlan:
-        """The plan of rows `rows` only (one parameter's, of several stacked by `norms_together`): per-sample
-        gradients and factors alone."""
-        f = self.factors
-        return ClippedSumPlan(
-            self.shape,
-            None if self.per_sample is None else self.per_sample[rows],
-            None if f is None else OuterGrad(f.left[rows], f.right[rows], f.conv_groups),
-        )
+    def split(self, parts: int) -> list[ClippedSumPlan]:
+        """The plans of `parts` parameters whose rows were stacked in this one (`norms_together`), one op per
+        tensor: per-sample gradients and factors alone."""
+        f, shape = self.factors, self.shape
+        per_sample = [None] * parts if self.per_sample is None else _parts(self.per_sample, parts)
+        if f is None:
+            return [ClippedSumPlan(shape, rows) for rows in per_sample]
+        blocks = zip(_parts(f.left, parts), _parts(f.right, parts), strict=True)
+        return [ClippedSumPlan(shape, rows, OuterGrad(*block)) for rows, block in zip(per_sample, blocks, strict=True)]
 
     def dropping(self, keep: Tensor) -> ClippedSumPlan:
         """The plan without the samples where `keep` `[B]` is False: their rows are zeros (a NaN or inf in them
@@ -137,9 +137,13 @@ class ParamNorm:
     #: what the clipped sum needs; None unless asked for (ghost and flash take theirs from a second backward)
     plan: ClippedSumPlan | None
 
-    def rows_of(self, rows: slice) -> ParamNorm:
-        """The norms and plan of rows `rows` only (see `norms_together`)."""
-        return ParamNorm(self.norm_sq[rows], self.strategy, None if self.plan is None else self.plan.rows_of(rows))
+    def split(self, parts: int) -> list[ParamNorm]:
+        """The norms and plans of `parts` parameters whose rows were stacked in this one (`norms_together`)."""
+        plans = [None] * parts if self.plan is None else self.plan.split(parts)
+        return [
+            ParamNorm(norm_sq, self.strategy, plan)
+            for norm_sq, plan in zip(_parts(self.norm_sq, parts), plans, strict=True)
+        ]
 
     def dropping(self, keep: Tensor) -> ParamNorm:
         """Without the samples where `keep` `[B]` is False in the clipped sum (see `ClippedSumPlan.dropping`)."""
@@ -255,18 +259,27 @@ class ParamGradient:
         if self._users is not None or not self.batch_size:
             return None
         if self.per_sample is not None and not self.blocks:
-            tensors = (self.per_sample,)
-            form = ("rows", bool(self._bfloat16_layers) and all(self._bfloat16_layers), self._per_sample_strategy())
-        elif self.per_sample is None and len(self.blocks) == 1 and self._summed_by_layer[0] is None:
-            block = self.blocks[0]
-            if block.is_tokens or block.conv_groups != 1:
+            rows = self.per_sample
+            if rows.numel() > STACKED_ELEMENTS * self.batch_size:
                 return None
-            tensors, form = (block.left, block.right), ("factors",)
-        else:
+            bfloat16 = bool(self._bfloat16_layers) and all(self._bfloat16_layers)
+            return ("rows", bfloat16, self._per_sample_strategy(), self.shape, rows.dtype, rows.device)
+        if self.per_sample is not None or len(self.blocks) != 1 or self._summed_by_layer[0] is not None:
             return None
-        if self.elements > STACKED_ELEMENTS * self.batch_size:
+        block = self.blocks[0]
+        if block.is_tokens or block.conv_groups != 1 or self.elements > STACKED_ELEMENTS * self.batch_size:
             return None
-        return (*form, self.shape, self.strategy_choice, *((t.shape[1:], t.dtype, t.device) for t in tensors))
+        left, right = block.left, block.right
+        return (
+            "factors",
+            self.strategy_choice,
+            self.shape,
+            left.shape,
+            left.dtype,
+            right.shape,
+            right.dtype,
+            right.device,
+        )
 
     def norm_sq(self, keep_for_sum: bool) -> ParamNorm:
         """The `[B]` squared norms, and with `keep_for_sum` the plan of the clipped sum."""
@@ -386,8 +399,12 @@ def norms_together(gradients: Sequence[ParamGradient], keep_for_sum: bool) -> li
         blocks = [g.blocks[0] for g in gradients]
         stacked.blocks = [OuterGrad(torch.cat([b.left for b in blocks]), torch.cat([b.right for b in blocks]))]
         stacked._summed_by_layer = [None]
-    norm, rows = stacked.norm_sq(keep_for_sum), first.batch_size
-    return [norm.rows_of(slice(i * rows, (i + 1) * rows)) for i in range(len(gradients))]
+    return stacked.norm_sq(keep_for_sum).split(len(gradients))
+
+
+def _parts(rows: Tensor, parts: int) -> tuple[Tensor, ...]:
+    """`[parts * B, ...]` -> `parts` views `[B, ...]` (one op)."""
+    return rows.unflatten(0, (parts, -1)).unbind(0)
 
 
 def _kept_in_bfloat16(materialised: Tensor) -> tuple[Tensor, Tensor]:

@@ -1489,3 +1489,34 @@ def test_an_op_that_mixes_samples_only_in_training_is_refused_after_an_eval_firs
     model.train()
     with pytest.raises(FlashDPError, match="per-sample gradients"):
         engine.backward(model(torch.randn(4, 3, dtype=torch.float64)).squeeze(1).square())
+
+
+class _Shifted(nn.Module):
+    """Rows of the batch paired with others' by an offset `k`: none at k = 0."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.first, self.second, self.op, self.k = nn.Linear(4, 4), nn.Linear(4, 4), op, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        if self.op == "roll":
+            h = torch.roll(h, shifts=self.k, dims=0)
+        else:
+            h = torch.cat([h.narrow(0, self.k, len(h) - self.k), h.narrow(0, 0, self.k)])
+        return self.second(h)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("op", ["roll", "narrow"])
+def test_the_batch_shifted_by_another_offset_is_another_structure(op, mode):
+    """A roll or slices of the batch verified at offset 0 (no mixing), then offset 1 (sample i reads sample i - 1's
+    rows): the same ops along the same dims, accepted before (norms 8% off); the offsets ops saved are part of
+    the structure."""
+    torch.manual_seed(0)
+    model = _Shifted(op).double()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    engine.backward(model(torch.randn(4, 4, dtype=torch.float64)).square().sum(1))
+    model.k = 1
+    with pytest.raises(FlashDPError, match="sample"):
+        engine.backward(model(torch.randn(4, 4, dtype=torch.float64)).square().sum(1))

@@ -131,19 +131,28 @@ def _dims(node: Node, names: tuple[str, ...]) -> tuple:
     return (*(getattr(node, name) for name in names), len(metadata[0].shape) if metadata else None)
 
 
-#: per node type, the names of the dims its op saved (`_saved_dim`, `_saved_dims`, `_saved_dim0`, `_saved_keepdim`)
+#: per node type, the saved attributes `_structure_attributes` names
 _STRUCTURE_ATTRIBUTES: dict[type, tuple[str, ...]] = {}
+
+
+#: saved arguments that are positions, not sizes: where a roll shifts to, where a slice starts and its step, which
+#: index a select picks (a constant of the model for ops along time or features; along the batch, another value
+#: pairs other samples' rows)
+_POSITIONS = ("_saved_shifts", "_saved_start", "_saved_step", "_saved_index")
 
 
 def _structure_attributes(node: Node) -> tuple[str, ...]:
     """The names of the dims `node`'s op works along, as saved for its backward (`flip(dims)`, `cumsum(dim)`,
-    `transpose(dim0, dim1)`, `cat(dim)`, `sum(dim, keepdim)`...), and of the flags it saved (`batch_norm(training)`:
-    batch statistics mix samples, running ones do not): a step that flips, sums or concatenates along another dim
-    with the same ops, or runs one in another mode, is another structure. Not the op's other arguments, which may
-    be sizes (a slice's end, a split's size: a new structure on every sequence length) or shifts."""
+    `transpose(dim0, dim1)`, `cat(dim)`, `sum(dim, keepdim)`...), of the flags it saved (`batch_norm(training)`:
+    batch statistics mix samples, running ones do not) and of the positions it saved (`_POSITIONS`): a step that
+    flips, sums or concatenates along another dim with the same ops, runs one in another mode, or rolls or slices
+    the batch by another offset, is another structure. Not the op's sizes (a slice's end, a split's size: a new
+    structure on every sequence length)."""
     saved = {a: getattr(node, a) for a in dir(node) if a.startswith("_saved_")}
     names = tuple(
-        a for a, value in saved.items() if ("dim" in a and not isinstance(value, Tensor)) or isinstance(value, bool)
+        a
+        for a, value in saved.items()
+        if not isinstance(value, Tensor) and ("dim" in a or isinstance(value, bool) or a in _POSITIONS)
     )
     _STRUCTURE_ATTRIBUTES[type(node)] = names
     return names

@@ -221,7 +221,11 @@ def test_model_without_trainable_parameters():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"sparse": True}, "sparse=True"), ({"scale_grad_by_freq": True}, "scale_grad_by_freq=True .* mixes samples")],
+    [
+        ({"sparse": True}, "sparse=True"),
+        ({"scale_grad_by_freq": True}, "scale_grad_by_freq=True .* mixes samples"),
+        ({"max_norm": 1.0}, "max_norm=1.0 renormalises.*in place"),
+    ],
 )
 def test_unsupported_embedding_options(kwargs, match):
     with pytest.raises(FlashDPError, match=match):
@@ -234,6 +238,8 @@ def test_unsupported_embedding_options(kwargs, match):
         (lambda: nn.Embedding(6, 3), {"scale_grad_by_freq": True}, "scale_grad_by_freq=True"),
         (lambda: nn.Embedding(6, 3), {"sparse": True}, "sparse=True"),
         (lambda: nn.EmbeddingBag(6, 3, mode="sum"), {"mode": "max"}, "mode='max'"),
+        (lambda: nn.Embedding(6, 3), {"max_norm": 1.0}, "max_norm=1.0 renormalises"),
+        (lambda: nn.EmbeddingBag(6, 3, mode="sum"), {"max_norm": 1.0}, "which tokens the private batch held"),
     ],
 )
 @pytest.mark.parametrize("mode", ["bk", "ghost"])

@@ -147,16 +147,16 @@ def _vmap_error(label: str, error: Exception) -> FlashDPError:
 
 def _refuse_modified_params(call: LayerCall, params: dict[str, Tensor], versions: list[int]) -> None:
     """The re-run must not write to the parameters (it reads them through `.data`: their storage, their own version
-    counters): a forward that writes to one in place (`nn.Embedding(max_norm=...)` renormalises the rows it reads)
-    writes again, behind the back of autograd, which holds the parameter for the rest of the backward."""
+    counters): a forward that writes to one in place (a weight clamped in the forward) writes again, behind the
+    back of autograd, which holds the parameter for the rest of the backward."""
     changed = [name for (name, p), then in zip(params.items(), versions, strict=True) if p._version != then]
     if changed:
         raise FlashDPError(
-            f"The forward of {call.label} modifies its parameters {changed} in place (nn.Embedding with max_norm "
-            "renormalises the rows it reads in place): flashdp's generic rule re-runs that forward to count the "
-            "per-sample gradients, and would modify them again while autograd holds them. Nothing was added to "
-            ".grad. Renormalise outside the forward (max_norm=None, and renorm the weight under torch.no_grad() "
-            "after each step), or use the parameter only inside its own layer (an untied output head)."
+            f"The forward of {call.label} modifies its parameters {changed} in place (a weight clamped or "
+            "renormalised in the forward): flashdp's generic rule re-runs that forward to count the per-sample "
+            "gradients, and would modify them again while autograd holds them. Nothing was added to .grad. Modify "
+            "them outside the forward (under torch.no_grad() after each step), or register a rule for the layer "
+            "with flashdp.register_rule(...)."
         )
 
 

@@ -282,10 +282,12 @@ def test_a_convolution_on_frames_folded_into_the_batch_matches_oracle(
         (lambda: nn.Conv2d(3, 4, 3, padding="same"), {"dilation": (2, 2)}, 6),  # 'same' widens with dilation
         (lambda: nn.Conv2d(3, 4, 3), {"stride": 2, "padding": 1, "dilation": 2}, 7),
         (lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), {"padding": 0}, 6),  # stale, as PyTorch
+        (lambda: nn.Conv2d(3, 4, (3, 2)), {"stride": (2,), "padding": [1]}, 7),  # one value for every dim
         (lambda: nn.ConvTranspose2d(3, 4, 3), {"stride": 2, "dilation": 2, "padding": (1, 1)}, 4),
     ],
 )
-def test_settings_assigned_after_construction_are_read_as_the_forward_reads_them(layer, later, side, mode):
+@pytest.mark.parametrize("strategy", ["ghost", "direct"])
+def test_settings_assigned_after_construction_are_read_as_the_forward_reads_them(layer, later, side, mode, strategy):
     """The constructor turns padding into F.pad's pairs and stride, padding and dilation into per-dim ints; the
     forward reads an assignment made later as it is (an int, 'valid', 'same' for the dilation of the call) except
     that a padding mode other than zeros pads by the constructor's pairs. The rule reads them alike, on a later
@@ -295,7 +297,7 @@ def test_settings_assigned_after_construction_are_read_as_the_forward_reads_them
     reference = copy.deepcopy(model)
     spatial = len(model.kernel_size)
     x = torch.randn(3, 3, *(side,) * spatial, dtype=torch.float64)
-    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, norm_strategy=strategy)
     engine.backward(per_sample_loss(model(x)))
     model.zero_grad(set_to_none=True)
     for target in (model, reference):

@@ -213,8 +213,9 @@ def _bias(module: Conv | ConvTranspose, grad_output: Tensor, trainable: frozense
 
 def _per_dim(module: Conv | ConvTranspose, value: int | Sequence[int]) -> list[int]:
     """A stride, padding or dilation as one int per spatial dim: the constructor makes them so, an assignment after
-    it may hold one int for all, which the forward reads alike."""
-    return list(value) if isinstance(value, Sequence) else [value] * len(module.kernel_size)
+    it may hold one int (or a sequence of one) for all, which the forward reads alike."""
+    values = list(value) if isinstance(value, Sequence) else [value]
+    return values * len(module.kernel_size) if len(values) == 1 else values
 
 
 def _padded(module: Conv, x: Tensor) -> Tensor:

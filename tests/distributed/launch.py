@@ -15,6 +15,13 @@ import torch.multiprocessing as mp
 
 WORLD = 2
 
+#: each run's ranks fork from one server that imported these once per test process (a spawned rank imports them
+#: again: about 1.5 s of every run, for tests of a fraction of a second)
+PRELOADED = ["torch", "torch.distributed", "flashdp", "tests.distributed.workloads"]
+START_METHOD = os.environ.get("FLASHDP_TEST_START_METHOD", "forkserver")
+if START_METHOD == "forkserver":
+    mp.set_forkserver_preload(PRELOADED)
+
 
 def _worker(rank: int, fn: Callable, out: str, args: tuple) -> None:
     torch.set_num_threads(1)
@@ -48,7 +55,7 @@ TIMEOUT = 180.0
 def run(fn: Callable, *args) -> list:
     """`fn(rank, *args)` on each of 2 ranks; returns their results in rank order."""
     with tempfile.TemporaryDirectory() as out:
-        context = mp.start_processes(_worker, args=(fn, out, args), nprocs=WORLD, join=False, start_method="spawn")
+        context = mp.start_processes(_worker, args=(fn, out, args), nprocs=WORLD, join=False, start_method=START_METHOD)
         deadline = time.monotonic() + TIMEOUT
         while not context.join(timeout=max(0.0, deadline - time.monotonic())):
             if time.monotonic() >= deadline:

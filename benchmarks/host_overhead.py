@@ -3,6 +3,8 @@
     python benchmarks/host_overhead.py            # median step times and microseconds per call
     python benchmarks/host_overhead.py --profile  # where a bk step's host time goes (cProfile)
     python benchmarks/host_overhead.py --device cuda   # on a GPU: each step ends with a synchronisation
+    python benchmarks/host_overhead.py --trees <before> .   # bk and ghost of several source trees in one process
+    python benchmarks/host_overhead.py --ops      # torch ops per recorded call (each a kernel launch on a GPU)
 
 64 blocks of LayerNorm(8) + Linear(8, 8), B=4, T=8, one thread: 128 recorded calls a step. The modes run in
 interleaved rounds (non-private, hooks floor, bk, ghost); reported, the median step time of each and
@@ -18,14 +20,20 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import pstats
 import statistics
+import sys
 import time
 import warnings
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashdp
 
@@ -39,7 +47,8 @@ def build() -> nn.Module:
     return nn.Sequential(*[layer for _ in range(BLOCKS) for layer in (nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH))])
 
 
-def make_step(mode: str, device: str = "cpu"):
+def make_step(mode: str, device: str = "cpu", library: ModuleType = flashdp):
+    """A step of `mode` on a fresh model; `library`: the flashdp module to train with (another tree's)."""
     model, x = build().to(device), torch.randn(BATCH, LENGTH, WIDTH, device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     if mode == "hooks floor":
@@ -52,7 +61,7 @@ def make_step(mode: str, device: str = "cpu"):
             optimizer.zero_grad()
 
         return step
-    engine = flashdp.make_private(
+    engine = library.make_private(
         model, mode=mode, max_grad_norm=1.0, noise_multiplier=1.0, optimizer=optimizer, expected_batch_size=BATCH,
         sample_rate=0.01, seed=0,
     )  # fmt: skip
@@ -101,30 +110,70 @@ def hooks_floor_step(model: nn.Sequential, x: torch.Tensor, optimizer: torch.opt
     return step
 
 
-def measure(rounds: int, device: str) -> dict[str, float]:
-    steps = {mode: make_step(mode, device) for mode in MODES}
+def measure(steps: dict[str, Callable[[], None]], rounds: int, device: str) -> dict[str, float]:
+    """Median milliseconds per step of each, in interleaved rounds."""
     for step in steps.values():
         for _ in range(3):  # the first step verifies and self-checks
             step()
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
-        for mode, step in steps.items():
+        for name, step in steps.items():
             start = time.perf_counter()
             step()
             if device == "cuda":
                 torch.cuda.synchronize()
-            times[mode].append(time.perf_counter() - start)
-    return {mode: 1e3 * statistics.median(t) for mode, t in times.items()}
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def trees_steps(trees: list[str], device: str) -> dict[str, Callable[[], None]]:
+    """bk and ghost steps of each tree's flashdp (its `src` imported in turn), with this one's non-private step and
+    hooks floor: one process, so that the trees share the machine's state at every round."""
+    steps = {mode: make_step(mode, device) for mode in ("non-private", "hooks floor")}
+    for tree in trees:
+        for name in [m for m in sys.modules if m == "flashdp" or m.startswith("flashdp.")]:
+            del sys.modules[name]
+        sys.path.insert(0, str(Path(tree).resolve() / "src"))
+        library = importlib.import_module("flashdp")
+        sys.path.pop(0)
+        steps |= {f"{mode} ({tree})": make_step(mode, device, library) for mode in ("bk", "ghost")}
+    return steps
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.all = self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.all += 1
+        self.kernels += not func.is_view  # (a view launches nothing on a GPU)
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_call(device: str) -> None:
+    print("| mode | torch ops per recorded call | of which not views |\n|---|---|---|")
+    for mode in MODES:
+        step = make_step(mode, device)
+        for _ in range(3):
+            step()
+        with _Ops() as ops:
+            step()
+        print(f"| {mode} | {ops.all / CALLS:.1f} | {ops.kernels / CALLS:.1f} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--ops", action="store_true")
+    parser.add_argument("--trees", nargs="+", help="source trees whose bk and ghost are timed side by side")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    warnings.simplefilter("ignore", flashdp.FlashDPWarning)  # (fixed batches: not Poisson-sampled)
+    warnings.simplefilter("ignore")  # (fixed batches: not Poisson-sampled)
+    if args.ops:
+        return ops_per_call(args.device)
     if args.profile:
         step = make_step("bk", args.device)
         for _ in range(3):
@@ -133,10 +182,11 @@ def main() -> None:
         profile.runcall(lambda: [step() for _ in range(10)])
         pstats.Stats(profile).sort_stats("tottime").print_stats(30)
         return
-    ms = measure(args.rounds, args.device)
+    steps = trees_steps(args.trees, args.device) if args.trees else {m: make_step(m, args.device) for m in MODES}
+    ms = measure(steps, args.rounds, args.device)
     print("| mode | step time (ms) | host time per recorded call over non-private (us) |\n|---|---|---|")
-    for mode in MODES:
-        print(f"| {mode} | {ms[mode]:.1f} | {(ms[mode] - ms['non-private']) / CALLS * 1e3:.0f} |")
+    for name, step_ms in ms.items():
+        print(f"| {name} | {step_ms:.1f} | {(step_ms - ms['non-private']) / CALLS * 1e3:.0f} |")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 WORLD = 2
 
 #: each run's ranks fork from one server that imported these once per test process (a spawned rank imports them
-#: again: about 1.5 s of every run, for tests of a fraction of a second)
+#: again: about 1.5 s of every run, for tests of a fraction of a second); FLASHDP_TEST_START_METHOD=spawn compares
 PRELOADED = ["torch", "torch.distributed", "flashdp", "tests.distributed.workloads"]
 START_METHOD = os.environ.get("FLASHDP_TEST_START_METHOD", "forkserver")
 if START_METHOD == "forkserver":

@@ -4,6 +4,7 @@ accountant and the sampling monitor; and the state a resumed run needs."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -48,10 +49,8 @@ class NoisyStep:
         provenance: GradientProvenance,
         timer: PhaseTimer,
     ) -> None:
-        self.noise_multiplier = privacy.noise_multiplier
-        self.expected_batch_size = privacy.expected_batch_size
-        self.sample_rate = privacy.sample_rate
-        self.max_grad_norm = settings.max_grad_norm
+        self._privacy = privacy
+        self._max_grad_norm = settings.max_grad_norm
         self.optimizer = optimizer
         self.noise = noise
         self._clipping = settings.clipping
@@ -59,10 +58,46 @@ class NoisyStep:
         self._params: list[TrainableParam] = []
         self._clip_group_count = 0
         self._accountant = Accountant(privacy.accountant)
-        self._sampling = SamplingMonitor((self.expected_batch_size or 0) / adapter.world_size)
+        self._sampling = SamplingMonitor((self.expected_batch_size or 0) / adapter.world_size, self.sample_rate)
         self._hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()  # (a RemovableHandle holds a weakref)
         self._backward_since_step = False
         self._samples_since_step = 0
+
+    # -- the privacy settings: checked when set (a NaN or negative sigma would add no noise) -----------------
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._privacy.noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, sigma: float) -> None:
+        self._privacy = dataclasses.replace(self._privacy, noise_multiplier=sigma)
+
+    @property
+    def sample_rate(self) -> float | None:
+        return self._privacy.sample_rate
+
+    @sample_rate.setter
+    def sample_rate(self, q: float | None) -> None:
+        self._privacy = dataclasses.replace(self._privacy, sample_rate=q)
+        self._expect()
+
+    @property
+    def expected_batch_size(self) -> int | None:
+        return self._privacy.expected_batch_size
+
+    @expected_batch_size.setter
+    def expected_batch_size(self, batch: int | None) -> None:
+        self._privacy = dataclasses.replace(self._privacy, expected_batch_size=batch)
+        self._expect()
+
+    def _expect(self) -> None:
+        self._sampling.expect((self.expected_batch_size or 0) / self._adapter.world_size, self.sample_rate)
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C: fixed at make_private (the clipping reads it too)."""
+        return self._max_grad_norm
 
     def follow(self, plan: GradientPlan) -> None:
         """Step the trainable parameters of `plan` (the engine's, once a backward committed it)."""

@@ -98,3 +98,11 @@ def test_the_engines_loader_refuses_a_rate_inconsistent_with_the_batch_and_cover
         _engine(nn.Linear(4, 2), expected_batch_size=25, sample_rate=0.1).data_loader(dataset)
     secure = _engine(nn.Linear(4, 2), expected_batch_size=10, sample_rate=0.1, secure_rng=True).data_loader(dataset)
     assert secure.batch_sampler.secure_rng
+
+
+def test_the_whole_dataset_every_step_is_what_sampling_at_rate_one_gives():
+    """Full-batch DP-GD (q = 1): every batch holds all N examples, which the monitor took for a fixed-size loader."""
+    monitor = SamplingMonitor(100.0, sample_rate=1.0)
+    assert all(monitor.record(100) is None for _ in range(50))
+    monitor.expect(100.0, 0.5)
+    assert any(monitor.record(100) is not None for _ in range(50))

@@ -241,3 +241,26 @@ def test_epsilon_needs_a_sample_rate_and_a_valid_delta():
         engine.epsilon(1e-5)
     with pytest.raises(FlashDPError, match=r"delta must be in \(0, 1\)"):
         _engine(nn.Sequential(nn.Linear(2, 2))).epsilon(0.0)
+
+
+@pytest.mark.parametrize(
+    "name, value, match",
+    [
+        ("noise_multiplier", float("nan"), "noise_multiplier must be a finite number >= 0"),
+        ("noise_multiplier", -1.0, "noise_multiplier must be a finite number >= 0"),
+        ("noise_multiplier", "1.0", "noise_multiplier must be a finite number >= 0"),
+        ("sample_rate", float("nan"), r"sample_rate is the Poisson sampling probability q, in \(0, 1\]"),
+        ("sample_rate", -0.5, r"sample_rate is the Poisson sampling probability q, in \(0, 1\]"),
+        ("expected_batch_size", 0, "expected_batch_size must be a positive int"),
+    ],
+)
+def test_privacy_settings_assigned_later_are_checked_as_at_make_private(name, value, match):
+    """A breaker's: a NaN or negative sigma assigned to the engine added no noise (`std > 0` false) and reported
+    epsilon 0 (RDP); a NaN sample rate epsilon 0; a batch size of 0 made the parameters NaN."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    with _engine(model) as engine:
+        with pytest.raises(FlashDPError, match=match):
+            setattr(engine, name, value)
+        assert getattr(engine, name) == {"noise_multiplier": 1.0, "sample_rate": 0.01, "expected_batch_size": 4}[name]
+        with pytest.raises(AttributeError):
+            engine.noisy_step.max_grad_norm = 0.01  # (C is the clipping's too: fixed at make_private)

@@ -23,13 +23,19 @@ class SamplingMonitor:
     """Batch sizes seen per step (on this rank), judged against their expected mean `mu` on this rank. Keeps only
     their count, their sum and whether all were equal: a constant cost per step, however long the run."""
 
-    def __init__(self, expected_size: float) -> None:
-        self.expected_size = expected_size
+    def __init__(self, expected_size: float, sample_rate: float | None = None) -> None:
         self.count = 0
         self.total = 0
         self.first_size: int | None = None
         self.all_equal = True
         self.finding: str | None = None  # set once: what was found
+        self.expect(expected_size, sample_rate)
+
+    def expect(self, expected_size: float, sample_rate: float | None) -> None:
+        """The mean batch size to expect from now on, and the rate: at q = 1 every batch is the whole dataset, one
+        size, as Poisson sampling at that rate gives."""
+        self.expected_size = expected_size
+        self._whole_dataset = sample_rate == 1
         # each repeat of one size has at most this log-probability under Poisson sampling
         self._log_likeliest = _log_max_poisson_pmf(expected_size)
 
@@ -48,7 +54,7 @@ class SamplingMonitor:
     def _constant_sizes(self) -> str | None:
         """Every batch of one size: under Poisson sampling each repeat has probability at most the largest
         probability of any one size."""
-        if self.count < 2 or not self.all_equal:
+        if self.count < 2 or not self.all_equal or self._whole_dataset:
             return None
         if (self.count - 1) * self._log_likeliest > math.log(FALSE_ALARM):
             return None

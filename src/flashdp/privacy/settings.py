@@ -19,6 +19,31 @@ class PrivacySettings:
     sample_rate: float | None
     accountant: AccountantKind
 
+    def __post_init__(self) -> None:
+        check_noise_multiplier(self.noise_multiplier)
+        check_sample_rate(self.sample_rate)
+        check_expected_batch_size(self.expected_batch_size)
+
+
+def check_noise_multiplier(sigma: object) -> None:
+    if not (is_number(sigma) and 0 <= sigma < math.inf):
+        raise FlashDPError(f"noise_multiplier must be a finite number >= 0. Received {sigma!r}.")
+
+
+def check_sample_rate(q: object) -> None:
+    if q is not None and not (is_number(q) and 0 < q <= 1):
+        raise FlashDPError(
+            f"sample_rate is the Poisson sampling probability q, in (0, 1]. Received {q!r}. "
+            "It is usually expected_batch_size / len(dataset)."
+        )
+
+
+def check_expected_batch_size(batch: object) -> None:
+    if batch is not None and not (is_int(batch) and batch > 0):
+        raise FlashDPError(
+            f"expected_batch_size must be a positive int (the global logical batch). Received {batch!r}."
+        )
+
 
 @dataclass(frozen=True)
 class PrivacyRequest:
@@ -37,24 +62,14 @@ class PrivacyRequest:
         """Checked, with sigma calibrated when a target epsilon was given."""
         self._check()
         sigma = self.noise_multiplier if self.noise_multiplier is not None else self._calibrate()
-        if not (is_number(sigma) and 0 <= sigma < math.inf):
-            raise FlashDPError(f"noise_multiplier must be a finite number >= 0. Received {sigma!r}.")
+        check_noise_multiplier(sigma)
         return PrivacySettings(float(sigma), self.expected_batch_size, self.sample_rate, self.accountant)
 
     def _check(self) -> None:
         if self.accountant not in ACCOUNTANTS:
             raise FlashDPError(f"accountant must be one of {ACCOUNTANTS}. Received {self.accountant!r}.")
-        q = self.sample_rate
-        if q is not None and not (is_number(q) and 0 < q <= 1):
-            raise FlashDPError(
-                f"sample_rate is the Poisson sampling probability q, in (0, 1]. Received {q!r}. "
-                "It is usually expected_batch_size / len(dataset)."
-            )
-        batch = self.expected_batch_size
-        if batch is not None and not (is_int(batch) and batch > 0):
-            raise FlashDPError(
-                f"expected_batch_size must be a positive int (the global logical batch). Received {batch!r}."
-            )
+        check_sample_rate(self.sample_rate)
+        check_expected_batch_size(self.expected_batch_size)
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise FlashDPError(
                 "Give exactly one of noise_multiplier (sigma) and target_epsilon (with target_delta, sample_rate "

@@ -341,9 +341,10 @@ class DPEngine:
     # -- lifecycle ----------------------------------------------------------------------------------------
 
     def detach(self) -> None:
-        """Remove every hook: the model is plain PyTorch again. The engine cannot clip after this. Until then the
-        engine lives as long as the model, even where no reference to it is kept: dropping it leaves every
-        optimizer step over the model's trainable parameters refused."""
+        """Remove every hook: the model is plain PyTorch again; the engine cannot clip after this. Until then it
+        lives as long as the model, even unreferenced: every optimizer step over its trainable parameters is
+        refused. `.grad` keeps what a backward with no step after it left (clipped sums without noise, for
+        inspection): a plain optimizer step would apply them without privacy."""
         self._attachment.detach()
 
     def __enter__(self) -> DPEngine:

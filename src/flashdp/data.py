@@ -16,6 +16,8 @@ from flashdp.privacy import csprng, keyed
 
 #: how far apart the seeds of two epochs are (an odd constant: the golden ratio in 64 bits)
 _EPOCH_STRIDE = 0x9E3779B97F4A7C15
+#: how far apart the seeds of `engine.data_loader`s made one step apart are (another odd 64-bit constant)
+LOADER_STRIDE = 0xD1B54A32D192ED03
 
 
 class PoissonSampler(Sampler[list[int]]):

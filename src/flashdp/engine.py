@@ -29,7 +29,7 @@ from flashdp._pipeline.profiling import PhaseTimer, profiling_requested
 from flashdp._pipeline.recorder import Forward
 from flashdp._pipeline.settings import DEFAULT_SELF_CHECK_INTERVAL, EngineSettings, Mode, NonFinite
 from flashdp._pipeline.users import UserGroups, UserLedger
-from flashdp.data import check_loader_rate, count_users, poisson_loader
+from flashdp.data import LOADER_STRIDE, check_loader_rate, count_users, poisson_loader
 from flashdp.distributed import Adapter, adapter_for
 from flashdp.distributed.checks import check_norm_group, check_same_samples, check_same_settings, raise_on_every_rank
 from flashdp.errors import FlashDPError
@@ -307,11 +307,11 @@ class DPEngine:
         **loader_kwargs: Any,
     ) -> DataLoader:
         """A DataLoader of Poisson-sampled batches of `dataset` at the engine's `sample_rate`: the sampling that
-        `epsilon()` assumes. Sampling draws from the OS CSPRNG when the engine has `secure_rng=True`, is seeded
-        from the engine's `seed` when it has one, and from OS entropy otherwise. Under DDP or FSDP each rank samples
-        its own shard of `dataset` (give every rank the whole dataset). Batch sizes vary and may be 0 (see
-        `backward_empty`). steps: batches per pass over the loader, default `ceil(1 / sample_rate)` (an epoch in
-        expectation).
+        `epsilon()` assumes. From the OS CSPRNG with `secure_rng=True`; seeded by the engine's `seed` and the step
+        the loader is made at (loaders made at other steps draw other batches); else from OS entropy. Under DDP or
+        FSDP each rank samples its own shard of `dataset` (give every rank the whole dataset). Batch sizes vary and
+        may be 0 (see `backward_empty`). steps: batches per pass over the loader, default `ceil(1 / sample_rate)`
+        (an epoch in expectation).
 
         users, examples_per_user: user-level privacy. `users` `[N]` the user id of each example; each step samples
         USERS at the engine's rate and up to `examples_per_user` examples of each, a user's examples on one rank;
@@ -362,10 +362,13 @@ def _loader(engine: DPEngine, dataset: Dataset, options: dict[str, Any]) -> Data
     else:
         check_loader_rate(engine.sample_rate, engine.expected_batch_size, count_users(users), "the number of users")
     group = engine._adapter.dp_group
+    seed = engine.settings.seed
     return poisson_loader(
         dataset,
         engine.sample_rate,
-        seed=engine.settings.seed,
+        # (a seeded run's loaders differ by the step they are made at: one made every epoch would replay the
+        # first's batches, which the accounting takes for fresh samples; a resumed run makes the same)
+        seed=None if seed is None else (seed + engine.steps * LOADER_STRIDE) % 2**63,
         secure_rng=engine.settings.secure_rng,
         rank=dist.get_rank(group) if group is not None else 0,
         world_size=engine._adapter.world_size,

@@ -106,3 +106,26 @@ def test_the_whole_dataset_every_step_is_what_sampling_at_rate_one_gives():
     assert all(monitor.record(100) is None for _ in range(50))
     monitor.expect(100.0, 0.5)
     assert any(monitor.record(100) is not None for _ in range(50))
+
+
+def test_a_seeded_engines_loaders_made_at_other_steps_draw_other_batches():
+    """A breaker's: with `seed=`, every new `engine.data_loader` replayed the first one's batches (a loader made
+    every epoch trained on the same subsamples, which epsilon() composes as fresh ones). A loader's stream is a
+    function of the seed and the step it is made at: a resumed engine makes the uninterrupted run's."""
+    dataset = TensorDataset(torch.randn(200, 4))
+
+    def run(steps_before: int, state: dict | None = None) -> tuple[list[list[float]], dict]:
+        model = nn.Linear(4, 2)
+        engine = _engine(model, expected_batch_size=20, sample_rate=0.1, seed=3)
+        if state is not None:
+            engine.load_state_dict(state)
+        for _ in range(steps_before):
+            engine.backward(model(torch.randn(3, 4)).sum(1))
+            engine.step()
+        batches = [x[:, 0].tolist() for (x,) in engine.data_loader(dataset, steps=3)]
+        return batches, engine.state_dict()
+
+    first, _ = run(0)
+    later, state = run(2)
+    assert first != later
+    assert run(0, state)[0] == later

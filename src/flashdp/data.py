@@ -155,6 +155,15 @@ class UserPoissonSampler(Sampler[list[int]]):
         """Users this rank samples from."""
         return len(self.users)
 
+    @property
+    def sample_rate(self) -> float:
+        """The users' rate (an engine's loader follows a rate set on its engine)."""
+        return self._users_sampler.sample_rate
+
+    @sample_rate.setter
+    def sample_rate(self, q: float) -> None:
+        self._users_sampler.sample_rate = q
+
     def __len__(self) -> int:
         return len(self._users_sampler)
 

@@ -363,7 +363,7 @@ def _loader(engine: DPEngine, dataset: Dataset, options: dict[str, Any]) -> Data
         check_loader_rate(engine.sample_rate, engine.expected_batch_size, count_users(users), "the number of users")
     group = engine._adapter.dp_group
     seed = engine.settings.seed
-    return poisson_loader(
+    loader = poisson_loader(
         dataset,
         engine.sample_rate,
         # (a seeded run's loaders differ by the step they are made at: one made every epoch would replay the
@@ -374,6 +374,8 @@ def _loader(engine: DPEngine, dataset: Dataset, options: dict[str, Any]) -> Data
         world_size=engine._adapter.world_size,
         **options,
     )
+    engine.noisy_step.follow_rate(loader.batch_sampler)
+    return loader
 
 
 def _compared_settings(settings: EngineSettings, privacy: PrivacySettings) -> dict[str, object]:

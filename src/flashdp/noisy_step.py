@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -60,6 +61,7 @@ class NoisyStep:
         self._accountant = Accountant(privacy.accountant)
         self._sampling = SamplingMonitor((self.expected_batch_size or 0) / adapter.world_size, self.sample_rate)
         self._hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()  # (a RemovableHandle holds a weakref)
+        self._samplers: weakref.WeakSet = weakref.WeakSet()
         self._backward_since_step = False
         self._samples_since_step = 0
 
@@ -81,6 +83,12 @@ class NoisyStep:
     def sample_rate(self, q: float | None) -> None:
         self._privacy = dataclasses.replace(self._privacy, sample_rate=q)
         self._expect()
+        for sampler in self._samplers:  # (the engine's loaders sample at the rate the accountant composes)
+            sampler.sample_rate = q
+
+    def follow_rate(self, sampler: object) -> None:
+        """Have `sampler` (of a loader `engine.data_loader` made) sample at the rate set on the engine from now on."""
+        self._samplers.add(sampler)
 
     @property
     def expected_batch_size(self) -> int | None:

@@ -321,11 +321,24 @@ def test_in_place_op_that_hides_a_gradient_is_reported():
             eng.backward(out.sum(1))
 
 
-def test_changing_trainable_parameters_after_make_private(engine):
-    model, eng = engine
-    model[0].weight.requires_grad_(False)
-    with pytest.raises(FlashDPError, match="trainable parameters changed since make_private"):
+def test_changing_trainable_parameters_after_make_private_is_refused_with_a_way_that_keeps_epsilon():
+    """The refusal's way out carries the privacy spent (a breaker's: a new engine alone counted epsilon from 0)."""
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    settings = {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "expected_batch_size": 2, "sample_rate": 0.1}
+    eng = flashdp.make_private(model, optimizer=optimizer, **settings)
+    for _ in range(3):
         eng.backward(model(torch.randn(2, 4)).sum(1))
+        eng.step()
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(
+        FlashDPError, match=r"changed since make_private.*new_engine.load_state_dict\(engine.state_dict"
+    ):
+        eng.backward(model(torch.randn(2, 4)).sum(1))
+    eng.detach()
+    new_engine = flashdp.make_private(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **settings)
+    new_engine.load_state_dict(eng.state_dict())
+    assert new_engine.steps == 3 and new_engine.epsilon(1e-5) == eng.epsilon(1e-5)
 
 
 def test_detached_engine_refuses_to_clip():

@@ -52,7 +52,9 @@ class TrainableParams:
         if current.keys() != self._params.keys():
             raise FlashDPError(
                 "The model's trainable parameters changed since make_private (requires_grad toggled or parameters "
-                "added). Call engine.detach() and flashdp.make_private(model, ...) again."
+                "added). Call engine.detach() and flashdp.make_private(model, ...) again, then "
+                "new_engine.load_state_dict(engine.state_dict()): the privacy spent so far carries over (a new engine "
+                "alone counts epsilon from zero)."
             )
         replaced = [name for name, p in current.items() if self.check_identity and p is not self._params[name]]
         if replaced:
@@ -60,7 +62,8 @@ class TrainableParams:
                 f"Parameters {replaced[:5]} were replaced by new tensors since make_private (load_state_dict(..., "
                 "assign=True), or a new nn.Parameter assigned): the engine would write gradients to the old ones. "
                 "Load weights in place (load_state_dict without assign), or call engine.detach() and make_private "
-                "again with an optimizer built over the new parameters."
+                "again with an optimizer built over the new parameters, then new_engine.load_state_dict("
+                "engine.state_dict()) to carry the privacy spent so far."
             )
 
 

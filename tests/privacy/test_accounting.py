@@ -118,6 +118,14 @@ def test_no_noise_spends_everything_and_no_sampling_nothing():
 
 
 @pytest.mark.parametrize("kind", ["pld", "rdp"])
+def test_noise_below_float64s_reach_spends_everything(kind):
+    """A breaker's: at sigma = 1e-155, RDP reported epsilon 0 (dp-accounting's own arithmetic underflows) and PLD
+    raised a bare OverflowError. Below 1e-100 no noise is counted; 1e-90 is still computed (about 1e179)."""
+    assert epsilon_of(kind, [(1e-155, 0.01, 3)], 1e-5) == float("inf")
+    assert 1e170 < epsilon_of(kind, [(1e-90, 0.01, 3)], 1e-5) < float("inf")
+
+
+@pytest.mark.parametrize("kind", ["pld", "rdp"])
 def test_calibration_at_a_tiny_target_leaves_the_coarse_bracket(kind):
     """Target 0.01: the coarse search overstates epsilon most there; the result must still be within 1%."""
     q, steps, target = 0.1, 1000, 0.01

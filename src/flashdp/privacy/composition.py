@@ -71,11 +71,16 @@ def _spending(history: History) -> History:
     return [(float(s), float(q), int(n)) for s, q, n in history if q > 0 and n > 0]
 
 
+#: noise multipliers below this count as none: the accountants' arithmetic (1 / sigma^2) leaves float64 near 1e-154
+#: (dp-accounting's RDP then reports epsilon 0, its PLD overflows); at 1e-100 one step already costs ~1e200
+NEGLIGIBLE_SIGMA = 1e-100
+
+
 def _trivial(runs: History) -> float | None:
     """The epsilon of histories that need no composing: none (0), or a step without noise (inf)."""
     if not runs:
         return 0.0
-    if any(s == 0 for s, _, _ in runs):
+    if any(s < NEGLIGIBLE_SIGMA for s, _, _ in runs):
         return math.inf
     return None
 

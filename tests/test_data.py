@@ -172,3 +172,17 @@ def test_an_unseeded_samplers_batches_are_one_of_more_than_2_to_the_32_streams(u
         sampler.set_epoch(epoch)
         assert not is_a_seeds_expansion(inner.generator)
         assert all(set(batch) <= set(range(30)) for batch in sampler)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"steps": -1}, "steps .* must be a positive int. Received -1"),
+        ({"steps": 2.5}, "steps .* must be a positive int. Received 2.5"),
+        ({"examples_per_user": 2}, "give users= too"),
+    ],
+)
+def test_a_loaders_bad_arguments_are_refused_naming_them(options, match):
+    """A breaker's: DataLoader's bare ValueError or TypeError, or examples_per_user ignored without users."""
+    with pytest.raises(FlashDPError, match=match):
+        flashdp.poisson_loader(TensorDataset(torch.randn(10, 2)), 0.5, **options)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
+from flashdp._checks import is_int
 from flashdp._pipeline.users import holds_integers
 from flashdp.errors import FlashDPError
 from flashdp.privacy import csprng, keyed
@@ -48,6 +49,8 @@ class PoissonSampler(Sampler[list[int]]):
     ) -> None:
         if not 0 < sample_rate <= 1:
             raise FlashDPError(f"sample_rate must be in (0, 1]. Received {sample_rate!r}.")
+        if steps is not None and not (is_int(steps) and steps > 0):
+            raise FlashDPError(f"steps (batches per pass over the loader) must be a positive int. Received {steps!r}.")
         if not 0 <= rank < world_size:
             raise FlashDPError(f"rank must be in [0, world_size). Received rank={rank}, world_size={world_size}.")
         if secure_rng and seed is not None:
@@ -281,6 +284,11 @@ def poisson_loader(
     """
     if len(dataset) == 0:
         raise FlashDPError("poisson_loader: the dataset is empty.")
+    if users is None and examples_per_user is not None:
+        raise FlashDPError(
+            "examples_per_user bounds each user's examples in a step: give users= too (the user id of each "
+            "example), or leave examples_per_user out."
+        )
     spread = {"steps": steps, "seed": seed, "secure_rng": secure_rng, "rank": rank, "world_size": world_size}
     if users is None:
         sampler: Sampler[list[int]] = PoissonSampler(len(dataset), sample_rate, **spread)

@@ -122,6 +122,7 @@ def scan_model(model: nn.Module, param_views: ParamViews = local_param_views) ->
     """Find every trainable parameter's rule; fail loudly on anything that cannot be counted exactly."""
     _refuse_sample_mixing(model)
     _refuse_running_statistics(model)
+    _refuse_renormalised_tables(model)
     modules = [(path, m) for path, m in model.named_modules() if not isinstance(m, WRAPPERS)]
     views = {id(m): param_views(m) for _, m in modules}
     if not any(views.values()):
@@ -288,6 +289,23 @@ def _refuse_running_statistics(model: nn.Module) -> None:
     ]
     if tracking:
         raise FlashDPError(f"{', '.join(tracking)}: {RUNNING_STATS_LEAK}")
+
+
+def _refuse_renormalised_tables(model: nn.Module) -> None:
+    """Embedding tables with `max_norm`, frozen ones too: the forward renormalises in place the rows a batch looks up,
+    so the (released) table tells which tokens the private batches held."""
+    tables = [
+        f"'{p}' ({type(m).__name__})"
+        for p, m in model.named_modules()
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.max_norm is not None
+    ]
+    if tables:
+        raise FlashDPError(
+            f"{', '.join(tables)}: max_norm renormalises, in the forward and in place, the rows a batch looks up, "
+            "outside the noisy update (a frozen table too): the table tells which tokens the private batches held. "
+            "Set max_norm=None; to bound the rows' norms, renormalise every row once before training and, for a "
+            "trained table, after each step (with torch.no_grad(): weight.renorm_(2, 0, max_norm))."
+        )
 
 
 def _union_groups(count: int, shared: Iterable[list[int]]) -> list[int]:

@@ -32,6 +32,16 @@ from flashdp.privacy.settings import PrivacySettings
 RESUMED_SETTINGS = ("noise_multiplier", "sample_rate", "max_grad_norm")
 
 
+def _privacy_setting(name: str) -> property:
+    """A privacy setting of the step (`PrivacySettings`), checked when set as at make_private."""
+
+    def assign(step: NoisyStep, value: object) -> None:
+        step._privacy = dataclasses.replace(step._privacy, **{name: value})
+        step._settings_changed()
+
+    return property(lambda step: getattr(step._privacy, name), assign, doc=f"`PrivacySettings.{name}`.")
+
+
 class NoisyStep:
     """`step()`: for every trainable p, `p.grad = (p.grad + N(0, sigma^2 C^2 I)) / expected_batch_size`, then
     `optimizer.step()`, `optimizer.zero_grad()` and one accountant step. `engine.noisy_step` is the engine's.
@@ -67,40 +77,19 @@ class NoisyStep:
 
     # -- the privacy settings: checked when set (a NaN or negative sigma would add no noise) -----------------
 
-    @property
-    def noise_multiplier(self) -> float:
-        return self._privacy.noise_multiplier
-
-    @noise_multiplier.setter
-    def noise_multiplier(self, sigma: float) -> None:
-        self._privacy = dataclasses.replace(self._privacy, noise_multiplier=sigma)
-
-    @property
-    def sample_rate(self) -> float | None:
-        return self._privacy.sample_rate
-
-    @sample_rate.setter
-    def sample_rate(self, q: float | None) -> None:
-        self._privacy = dataclasses.replace(self._privacy, sample_rate=q)
-        self._expect()
-        for sampler in self._samplers:  # (the engine's loaders sample at the rate the accountant composes)
-            sampler.sample_rate = q
+    noise_multiplier = _privacy_setting("noise_multiplier")
+    sample_rate = _privacy_setting("sample_rate")
+    expected_batch_size = _privacy_setting("expected_batch_size")
 
     def follow_rate(self, sampler: object) -> None:
         """Have `sampler` (of a loader `engine.data_loader` made) sample at the rate set on the engine from now on."""
         self._samplers.add(sampler)
 
-    @property
-    def expected_batch_size(self) -> int | None:
-        return self._privacy.expected_batch_size
-
-    @expected_batch_size.setter
-    def expected_batch_size(self, batch: int | None) -> None:
-        self._privacy = dataclasses.replace(self._privacy, expected_batch_size=batch)
-        self._expect()
-
-    def _expect(self) -> None:
+    def _settings_changed(self) -> None:
+        """The sampling monitor expects, and the engine's loaders sample at, the settings now set."""
         self._sampling.expect((self.expected_batch_size or 0) / self._adapter.world_size, self.sample_rate)
+        for sampler in self._samplers:  # (at the rate the accountant composes)
+            sampler.sample_rate = self.sample_rate
 
     @property
     def max_grad_norm(self) -> float:

@@ -256,18 +256,16 @@ class ParamGradient:
         the form (per-sample rows alone, or one dense block of factors), the shapes, dtypes and devices. None where
         the norm is taken alone: large contributions, forms of several parts (tokens, a tied parameter's mixed
         contributions, convolution groups, a layer's own sums), users' rows, an empty batch."""
-        if self._users is not None or not self.batch_size:
+        if self._users is not None or not self.batch_size or self.elements > STACKED_ELEMENTS * self.batch_size:
             return None
         if self.per_sample is not None and not self.blocks:
             rows = self.per_sample
-            if rows.numel() > STACKED_ELEMENTS * self.batch_size:
-                return None
             bfloat16 = bool(self._bfloat16_layers) and all(self._bfloat16_layers)
             return ("rows", bfloat16, self._per_sample_strategy(), self.shape, rows.dtype, rows.device)
         if self.per_sample is not None or len(self.blocks) != 1 or self._summed_by_layer[0] is not None:
             return None
         block = self.blocks[0]
-        if block.is_tokens or block.conv_groups != 1 or self.elements > STACKED_ELEMENTS * self.batch_size:
+        if block.is_tokens or block.conv_groups != 1:
             return None
         left, right = block.left, block.right
         return (

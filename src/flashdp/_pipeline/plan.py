@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from flashdp._pipeline.params import ParamView, ParamViews, TrainableParam, local_param_views
 from flashdp.errors import FlashDPError
 from flashdp.rules import RuleMatch, find_rule
+from flashdp.rules.embedding import RENORM_LEAK
 from flashdp.rules.generic import GENERIC
 from flashdp.rules.normalization import RUNNING_STATS_LEAK
 
@@ -300,12 +301,7 @@ def _refuse_renormalised_tables(model: nn.Module) -> None:
         if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.max_norm is not None
     ]
     if tables:
-        raise FlashDPError(
-            f"{', '.join(tables)}: max_norm renormalises, in the forward and in place, the rows a batch looks up, "
-            "outside the noisy update (a frozen table too): the table tells which tokens the private batches held. "
-            "Set max_norm=None; to bound the rows' norms, renormalise every row once before training and, for a "
-            "trained table, after each step (with torch.no_grad(): weight.renorm_(2, 0, max_norm))."
-        )
+        raise FlashDPError(f"{', '.join(tables)}: max_norm {RENORM_LEAK}.")
 
 
 def _union_groups(count: int, shared: Iterable[list[int]]) -> list[int]:

@@ -66,7 +66,7 @@ def conv_transpose_grads(
     x = _batched(module, inputs[0])
     out = _bias(module, grad_output, trainable)
     if "weight" in trainable:
-        padding = [p for size in reversed(_per_dim(module, module.padding)) for p in (size, size)]
+        padding = _pad_pairs(module, module.padding)
 
         def factors() -> OuterGrad:
             rows = _rows(module, grad_output)
@@ -237,7 +237,12 @@ def _explicit_padding(module: Conv) -> list[int]:
     if module.padding == "same":
         totals = [d * (k - 1) for d, k in zip(_per_dim(module, module.dilation), module.kernel_size, strict=True)]
         return [p for total in reversed(totals) for p in (total // 2, total - total // 2)]
-    return [p for size in reversed(_per_dim(module, module.padding)) for p in (size, size)]
+    return _pad_pairs(module, module.padding)
+
+
+def _pad_pairs(module: Conv | ConvTranspose, padding: int | Sequence[int]) -> list[int]:
+    """A padding of each spatial dim on both sides, as F.pad's pairs from the last dim."""
+    return [p for size in reversed(_per_dim(module, padding)) for p in (size, size)]
 
 
 def _unfold(x: Tensor, module: Conv | ConvTranspose, groups: int, positions: Sequence[int] | None = None) -> Tensor:

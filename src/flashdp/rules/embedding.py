@@ -86,15 +86,19 @@ def embedding_bag_support(module: nn.EmbeddingBag) -> str | None:
     return embedding_support(module)
 
 
+#: why a table with max_norm is refused, trainable or frozen (`plan.scan_model` refuses any at make_private)
+RENORM_LEAK = (
+    "renormalises, in the forward and in place, the rows a batch looks up, outside the noisy update (a frozen table "
+    "too): the table tells which tokens the private batch held, and a table read elsewhere (a tied head) reads "
+    "rows other samples renormalised. Set max_norm=None; to bound the rows' norms, renormalise every row once "
+    "before training and, for a trained table, after each step (with torch.no_grad(): "
+    "weight.renorm_(2, 0, max_norm))"
+)
+
+
 def embedding_support(module: nn.Embedding) -> str | None:
     if module.max_norm is not None:
-        return (
-            f"max_norm={module.max_norm} renormalises, in the forward and in place, the rows a batch looks up: "
-            "outside the noisy update, so which rows changed tells which tokens the private batch held (and a "
-            "table read elsewhere, a tied head, reads rows other samples renormalised). Use max_norm=None; to "
-            "bound the rows' norms, renormalise every row after each step (with torch.no_grad(): "
-            "weight.renorm_(2, 0, max_norm))"
-        )
+        return f"max_norm={module.max_norm} {RENORM_LEAK}"
     if module.scale_grad_by_freq:
         return "scale_grad_by_freq=True scales gradients by batch-wide token counts, which mixes samples"
     if module.sparse:

@@ -15,6 +15,12 @@ from flashdp.per_sample import OuterGrad, TokenRows
 LossOf = Callable[[slice], Tensor]
 
 
+def seeded(seed: int) -> torch.Generator:
+    """A generator for a test's inputs, on the default device: CUDA where the suite runs there
+    (`-p benchmarks.gpu.on_cuda`), whose factories refuse a CPU generator."""
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
+
+
 def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 

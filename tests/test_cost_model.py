@@ -9,6 +9,7 @@ import flashdp
 from benchmarks.cost_model import CPU_TILE, linear_step
 from benchmarks.flops import counted_flops
 from benchmarks.step_time import build_model, per_sample_lm_loss
+from tests.oracle import seeded
 
 VOCAB, WIDTH, LAYERS, BATCH = 256, 64, 2, 2
 
@@ -17,7 +18,7 @@ def _counted_step(mode: str, t: int) -> tuple[float, nn.Module]:
     """The FLOPs of the third step of `mode` on ids `[BATCH, t]`."""
     model = build_model(VOCAB, WIDTH, LAYERS)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    ids = torch.randint(0, VOCAB, (BATCH, t), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, VOCAB, (BATCH, t), generator=seeded(0))
     if mode == "non-private":
 
         def step() -> None:

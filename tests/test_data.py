@@ -10,6 +10,7 @@ from torch.utils.data import TensorDataset
 
 import flashdp
 from flashdp import FlashDPError, PoissonSampler
+from tests.oracle import seeded
 from tests.twister import is_a_seeds_expansion
 
 
@@ -95,7 +96,7 @@ def test_micro_batch_accumulation_then_step_equals_one_step_on_the_union():
             sample_rate=0.1,
             seed=11,
         )
-        x = torch.randn(9, 4, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(9, 4, generator=seeded(1))
         for micro in flashdp.micro_batches(x, -(-9 // pieces)):
             engine.backward(model(micro).square().sum(1))
         engine.step()

@@ -104,6 +104,37 @@ def test_a_hugging_face_model_and_the_canary_audit_create_no_tensor_on_the_defau
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_user_level_training_creates_no_tensor_on_the_default_device(mode):
+    """(Found on CUDA: the users' grouping and the user loader built their indices on the default device, so with
+    `torch.set_default_device("cuda")` user-level training failed on its first step.)"""
+    ids = torch.randint(0, 13, (12, 6), generator=torch.Generator().manual_seed(0))
+    examples, users = torch.arange(12), [u % 5 for u in range(12)]
+
+    def train(meta: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = Positions()
+        engine = flashdp.make_private(
+            model, mode=mode, max_grad_norm=0.5, noise_multiplier=0.7, expected_batch_size=3, sample_rate=0.5,
+            seed=3, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        )  # fmt: skip
+        with default_device_meta() if meta else contextlib.nullcontext():
+            loader = engine.data_loader(examples, steps=3, users=users, examples_per_user=2)
+            assert len(list(loader.batch_sampler)) == 3  # (iterating the DataLoader itself draws a seed on it)
+        batches = [(ids[rows], step_users) for rows, step_users in loader]
+        with default_device_meta() if meta else contextlib.nullcontext():
+            for x, step_users in batches:
+                if len(x):
+                    engine.backward(model(x), users=step_users)
+                else:
+                    engine.backward_empty()
+                engine.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    torch.testing.assert_close(train(meta=True), train(meta=False))
+
+
 def _ddp_rank(rank: int, mode: str) -> dict:
     model = workloads.build_model()
     ids = workloads.global_batch()[rank * 4 : rank * 4 + 4]

@@ -16,6 +16,7 @@ from torch.nn.utils import parametrizations, parametrize, prune
 
 import flashdp
 from flashdp import FlashDPError
+from tests.oracle import seeded
 from tests.steps import check_steps
 
 MODES = ["bk", "ghost"]
@@ -539,7 +540,7 @@ def _masked_loss(model, batch):
 
 
 def _masked_batches(masked: list[int], batch: int = 4, t: int = 3) -> list:
-    generator = torch.Generator().manual_seed(0)
+    generator = seeded(0)
     batches = []
     for sample in masked:
         mask = torch.ones(batch, t, dtype=torch.float64)
@@ -604,7 +605,7 @@ def _masks_loss(model, batch):
 
 
 def _masked_steps(model_of: type, masks: list[list[list[int]]]) -> list:
-    generator = torch.Generator().manual_seed(4)
+    generator = seeded(4)
     steps = []
     for mask in masks:
         mask = torch.tensor(mask, dtype=torch.float64)
@@ -759,7 +760,7 @@ def test_a_module_made_a_generic_site_on_this_backward_is_compared_with_its_batc
     model = FlipsTheBatch().double()
     mask = torch.ones(3, 3, dtype=torch.float64)
     mask[2] = 0
-    x = torch.randn(3, 3, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x = torch.randn(3, 3, 3, generator=seeded(1), dtype=torch.float64)
     private = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None)
     with private as engine, pytest.raises(FlashDPError, match="one sample at a time with the generic rule"):
         engine.backward(_masks_loss(model, (x, mask)))
@@ -794,7 +795,7 @@ def test_a_saved_dim_that_means_the_batch_after_a_view_is_another_structure(op, 
     """(Found by a breaker: two steps with T = 2, then T = 1, where the view makes `-2` the batch; trusted, the
     cumulative sum mixing samples 224% off, the flip 45% off.) An op's output rank is part of its dims."""
     torch.manual_seed(0)
-    generator = torch.Generator().manual_seed(1)
+    generator = seeded(1)
     batches = [torch.randn(3, t, 4, generator=generator, dtype=torch.float64) for t in (2, 2, 1, 1)]
     refused = check_steps(
         ViewsAway(op).double(), batches, lambda m, x: m(x).square().flatten(1).sum(1), lambda b, i: b[i : i + 1],
@@ -835,7 +836,7 @@ def test_a_layer_computing_across_rows_that_pass_in_two_dims_is_refused(model_of
     those of the dim that is the batch, across which the layer computes. Accepted, 48-62% off the oracle; refused
     now (and the next, unmasked step too: the layer mixes samples)."""
     torch.manual_seed(0)
-    generator = torch.Generator().manual_seed(4)
+    generator = seeded(4)
     if model_of is AttendsOverTheBatchSeqFirst:
         lengths = torch.tensor([1, 2, 3])
         x = torch.randn(3, 3, 4, generator=generator, dtype=torch.float64)
@@ -902,7 +903,7 @@ def test_a_stack_of_layer_states_is_not_taken_for_a_broadcast_over_the_batch(mod
     shared, and its per-sample gradients were taken where the stack of the RNN's layer states seemed to add the
     batch: the layers' dim; 44-150% off with the self-check off.) A stack of tensors shaped alike, none carrying
     the batch, broadcasts nothing."""
-    generator = torch.Generator().manual_seed(0)
+    generator = seeded(0)
     batches = [
         (torch.randn(2, t, 5, generator=generator, dtype=torch.float64), torch.randint(0, 2, (2,), generator=generator))
         for t in (3, 2, 1, 3)
@@ -921,7 +922,7 @@ def test_a_shared_output_passing_as_rows_of_samples_decides_nothing(mode):
     decides nothing: the next pass learns it shared."""
     torch.manual_seed(0)
     masks = [[[1, 1, 0, 0], [0, 0, 1, 1]], [[1] * 4, [1] * 4], [[1] * 4, [1] * 4]]
-    generator = torch.Generator().manual_seed(4)
+    generator = seeded(4)
     batches = [(torch.randint(0, 7, (2, 4), generator=generator), torch.tensor(m, dtype=torch.float64)) for m in masks]
     check_steps(
         Positions().double(), batches, lambda m, b: (m(b[0], True).square().sum(-1) * b[1]).sum(1),

@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 import flashdp
 from flashdp.kernels import triton_unavailable_reason
+from tests.oracle import seeded
 
 #: operations that wait for the device: values read to the host, sizes that depend on data, copies to the host
 SYNCING = {
@@ -83,7 +84,7 @@ def test_a_steady_step_waits_for_the_device_twice_per_backward(mode, options):
         model, mode=mode, max_grad_norm=1.0, noise_multiplier=1.0, optimizer=torch.optim.SGD(model.parameters()),
         expected_batch_size=4, sample_rate=0.1, **options,
     )  # fmt: skip
-    ids = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 50, (4, 6), generator=seeded(0))
     for _ in range(2):  # the first verifies the forward structure and runs the self-check
         engine.backward(model(ids))
         engine.step()

@@ -17,7 +17,7 @@ from flashdp import FlashDPError
 from flashdp._pipeline.users import UserGroups
 from flashdp.audit import epsilon_lower_bound
 from tests.conftest import MODES, requires_triton
-from tests.oracle import assert_clipped_sums, clip, per_sample_grads
+from tests.oracle import assert_clipped_sums, clip, per_sample_grads, seeded
 from tests.strategies import clippings, norm_strategies, per_sample_loss
 
 
@@ -345,7 +345,7 @@ def test_a_loss_mixing_users_is_refused():
 )
 def test_sequences_of_steps_with_new_shapes_and_users(sizes, seed, mode):
     """One engine through steps whose batch size, sequence length and user assignment change: each step exact."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded(seed)
     model = MODELS["tied"][0]().double()
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -378,7 +378,7 @@ def _user_audit(per_row_clipping: bool):
     each with 8 records whose gradient is 10 C on the user's own coordinate; each is in the training set with
     probability 1/2, and sampled at each step with probability q (`UserPoissonSampler`'s law)."""
     canaries, rows, c = 1000, 8, 1.0
-    gen = torch.Generator().manual_seed(2)
+    gen = seeded(2)
     signs = torch.randint(0, 2, (canaries,), generator=gen).double() * 2 - 1
     included = torch.rand(canaries, generator=gen) < 0.5
     model = nn.Linear(canaries, 1, bias=False)

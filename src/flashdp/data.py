@@ -144,9 +144,9 @@ class UserPoissonSampler(Sampler[list[int]]):
     ) -> None:
         if isinstance(examples_per_user, bool) or not (isinstance(examples_per_user, int) and examples_per_user >= 1):
             raise FlashDPError(f"examples_per_user must be an integer >= 1. Received {examples_per_user!r}.")
-        ids = torch.as_tensor(users).to("cpu", torch.long).flatten()
+        ids = torch.as_tensor(users, device="cpu").to(torch.long).flatten()
         unique, inverse = torch.unique(ids, return_inverse=True)
-        mine = torch.arange(rank, len(unique), world_size)
+        mine = torch.arange(rank, len(unique), world_size, device="cpu")
         self.examples = [(inverse == u).nonzero().flatten() for u in mine.tolist()]
         self.users = unique[mine]
         self.examples_per_user = examples_per_user
@@ -221,7 +221,7 @@ class _UsersCollate:
 
     def __call__(self, pairs: list) -> Any:
         batch = self.collate_fn([example for example, _ in pairs])
-        users = torch.tensor([u for _, u in pairs], dtype=torch.long)
+        users = torch.tensor([u for _, u in pairs], dtype=torch.long, device="cpu")
         if self.key is None:
             return batch, users
         if not isinstance(batch, Mapping):
@@ -312,11 +312,11 @@ class PoissonLoader(DataLoader):
 
 def count_users(users: Sequence[int] | torch.Tensor) -> int:
     """The number of distinct users."""
-    return len(torch.unique(torch.as_tensor(users)))
+    return len(torch.unique(torch.as_tensor(users, device="cpu")))
 
 
 def _checked_users(users: Sequence[int] | torch.Tensor, size: int, examples_per_user: int | None) -> torch.Tensor:
-    ids = torch.as_tensor(users)
+    ids = torch.as_tensor(users, device="cpu")
     if ids.shape != (size,) or not holds_integers(ids):
         raise FlashDPError(
             f"users must hold one integer user id per example of the dataset ({size}). Received "
@@ -388,7 +388,7 @@ def _user_pieces(users: torch.Tensor, size: int, max_size: int) -> list[torch.Te
         if len(pieces[-1]) + len(rows) > max_size:
             pieces.append([])
         pieces[-1].extend(rows)
-    return [torch.tensor(rows, dtype=torch.long) for rows in pieces if rows]
+    return [torch.tensor(rows, dtype=torch.long, device="cpu") for rows in pieces if rows]
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:

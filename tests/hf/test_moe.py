@@ -11,7 +11,7 @@ import flashdp
 from flashdp import FlashDPError
 from tests.conftest import MODES
 from tests.hf.zoo import DECODER, VOCAB, causal_lm, lm_loss
-from tests.oracle import check_against_oracle
+from tests.oracle import check_against_oracle, seeded
 from tests.steps import check_steps
 
 #: family -> (config class, its MoE settings with 4 experts, top-2)
@@ -99,7 +99,7 @@ def test_routing_that_changes_from_step_to_step_stays_exact(mode):
     first step learnt about the experts' calls must not be trusted for the next."""
     model = _model(_case("mixtral"))
     sizes = [3, 1, 4, 2]
-    batches = [torch.randint(2, VOCAB, (n, 5), generator=torch.Generator().manual_seed(k)) for k, n in enumerate(sizes)]
+    batches = [torch.randint(2, VOCAB, (n, 5), generator=seeded(k)) for k, n in enumerate(sizes)]
 
     def loss_of(m, ids):
         return lm_loss(m(ids, use_cache=False).logits, ids)
@@ -113,7 +113,7 @@ def test_the_load_balancing_loss_mixes_samples_and_is_refused():
     loss depends on the others, which the first backward's checks refuse."""
     case = _case("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
     model = _model(case)
-    ids = torch.randint(2, VOCAB, (B, 5), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(2, VOCAB, (B, 5), generator=seeded(0))
     engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=1.0)
     out = model(ids, use_cache=False)
     with pytest.raises(FlashDPError, match="auxiliary load-balancing loss"):

@@ -14,6 +14,7 @@ from torch import nn
 import flashdp
 from flashdp._pipeline import self_check
 from tests.hf.zoo import DECODER, VOCAB, classification_loss, lm_loss
+from tests.oracle import seeded
 
 SHAPES = [(3, 4, False), (2, 4, True), (3, 6, True), (2, 6, False)]  # (B, T, padded)
 
@@ -52,7 +53,7 @@ def test_shapes_seen_before_are_not_verified_again(name):
     torch.manual_seed(0)
     build, loss_of = MODELS[name]
     model = build().train()  # (dropout on: the same ops every step)
-    generator = torch.Generator().manual_seed(0)
+    generator = seeded(0)
     engine = flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=0.0, self_check=None)
     counted = mock.patch.object(self_check, "batch_independence_failures", wraps=self_check.batch_independence_failures)
     with engine, counted as spy:

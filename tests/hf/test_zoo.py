@@ -9,7 +9,7 @@ import flashdp
 from tests.conftest import MODES
 from tests.hf import zoo
 from tests.hf.zoo import CASES, PEFT_CASES, B
-from tests.oracle import check_against_oracle
+from tests.oracle import check_against_oracle, seeded
 from tests.steps import check_steps
 
 ALL = CASES | {f"peft_{name}": case for name, case in PEFT_CASES.items()}
@@ -108,7 +108,7 @@ def test_reformers_reversible_layers_writing_their_own_gradients_are_refused(mod
         is_decoder=True, hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0, pad_token_id=0,
     )  # fmt: skip
     model = tf.ReformerModelWithLMHead(config).double()
-    ids = torch.randint(2, zoo.VOCAB, (3, 8), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(2, zoo.VOCAB, (3, 8), generator=seeded(0))
     with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
         logits = model(input_ids=ids).logits
         with pytest.raises(flashdp.FlashDPError, match=r"something other than flashdp wrote to the \.grad of"):

@@ -10,6 +10,8 @@ import torch
 import transformers as tf
 from torch import nn
 
+from tests.oracle import seeded
+
 VOCAB, T, B = 29, 5, 3
 DROPOUT_FREE = {
     "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "dropout": 0.0, "attention_dropout": 0.0,
@@ -28,7 +30,7 @@ class Case:
 
 
 def _ids(low: int = 2) -> torch.Tensor:
-    return torch.randint(low, VOCAB, (B, T), generator=torch.Generator().manual_seed(0))
+    return torch.randint(low, VOCAB, (B, T), generator=seeded(0))
 
 
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -72,13 +74,13 @@ def _masked_lm() -> Case:
 
 
 def _vision(config_class, model_class, **config) -> Case:
-    pixels = torch.randn(B, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    pixels = torch.randn(B, 3, 8, 8, generator=seeded(0))
     build = lambda: model_class(config_class(num_labels=3, **config))  # noqa: E731
     return Case(build, lambda m, s: classification_loss(m(pixel_values=pixels[s].to(m.dtype)).logits, LABELS[s]))
 
 
 def _clip() -> Case:
-    ids, pixels = _ids(), torch.randn(B, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    ids, pixels = _ids(), torch.randn(B, 3, 8, 8, generator=seeded(0))
     text = {"vocab_size": VOCAB, "hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 1,
             "num_attention_heads": 2, "max_position_embeddings": 8, **DROPOUT_FREE}  # fmt: skip
     vision = {"hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -202,7 +204,7 @@ PEFT_CASES: dict[str, Callable[[], Case]] = {
 def _audio(config_class, model_class) -> Case:
     """wav2vec2-style: raw audio through a convolutional feature encoder and a positional convolution (under
     weight_norm, a torch parametrization)."""
-    wave = torch.randn(B, 400, generator=torch.Generator().manual_seed(0))
+    wave = torch.randn(B, 400, generator=seeded(0))
     config = config_class(
         num_labels=3, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
         conv_dim=(8, 8), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=4,

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashdp.kernels.clipped_sum import reference
+from tests.oracle import seeded
 
 
 @settings(deadline=None, max_examples=40)
@@ -18,7 +19,7 @@ from flashdp.kernels.clipped_sum import reference
     seed=st.integers(0, 2**16),
 )
 def test_reference_clipped_sum_is_the_weighted_sum_of_per_sample_products(batch, conv_groups, t, p, d, seed):
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed)
     left = torch.randn(batch * conv_groups, t, p, generator=g, dtype=torch.float64)
     right = torch.randn(batch * conv_groups, t, d, generator=g, dtype=torch.float64)
     coef = torch.rand(batch, generator=g, dtype=torch.float64)

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashdp.kernels.outer_norm.reference import sum_of_squares
+from tests.oracle import seeded
 
 
 @settings(max_examples=8, deadline=None)
@@ -12,7 +13,7 @@ from flashdp.kernels.outer_norm.reference import sum_of_squares
 def test_sum_of_squares_of_long_float32_rows_is_within_float32_rounding(length, scale):
     """A clipped sample contributes C only if its norm is not underestimated: on CPU torch's float32 vector_norm
     over a 2M-entry row drifted 1e-5 to 1e-3 low (a 512 x 512 x 3 x 3 convolution's per-sample gradient)."""
-    x = torch.randn(3, length, generator=torch.Generator().manual_seed(length)) * scale
+    x = torch.randn(3, length, generator=seeded(length)) * scale
     exact = x.double().square().sum(1)
     got = sum_of_squares(x)
     assert got.dtype == torch.float32

@@ -8,6 +8,7 @@ from torch import nn
 
 import flashdp
 from flashdp import FlashDPError
+from tests.oracle import seeded
 from tests.privacy.test_accounting import agrees_with_dp_accounting
 
 
@@ -141,7 +142,7 @@ def test_checkpoint_and_resume_equal_an_uninterrupted_run():
         model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
         return model, _engine(model, seed=3, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
-    data = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    data = [torch.randn(4, 6, generator=seeded(i)) for i in range(6)]
 
     def train(model, engine, batches):
         for x in batches:

@@ -9,7 +9,7 @@ from torch import nn
 
 import flashdp
 from tests.conftest import MODES
-from tests.oracle import check_against_oracle
+from tests.oracle import check_against_oracle, seeded
 from tests.strategies import batches, modes, norm_strategies
 
 E, HEADS = 6, 2
@@ -56,7 +56,7 @@ def attention_cases(draw):
 
 
 def _masks(kind: str, batch: int, length: int, source: int):
-    generator = torch.Generator().manual_seed(1)
+    generator = seeded(1)
     padding = None
     call = {}
     if kind == "padding" and source > 1 and batch:  # (torch's forward fails on an empty batch with a padding mask)

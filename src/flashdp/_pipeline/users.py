@@ -46,19 +46,20 @@ class UserGroups:
         """The groups of `users`, checked: a 1-D integer tensor with one id per row of the loss."""
         ids = _checked_ids(users, batch)
         if batch == 0:
-            empty = torch.zeros(0, dtype=torch.long)
+            empty = torch.zeros(0, dtype=torch.long, device="cpu")
             return UserGroups(empty.to(device), empty.view(0, 0), empty)
         unique, inverse = torch.unique(ids, return_inverse=True)
-        first = torch.full((len(unique),), batch).scatter_reduce_(0, inverse, torch.arange(batch), "amin")
+        rows = torch.arange(batch, device="cpu")
+        first = torch.full((len(unique),), batch, device="cpu").scatter_reduce_(0, inverse, rows, "amin")
         order = first.argsort()  # the unique ids in order of first appearance
         number = torch.empty_like(order)
-        number[order] = torch.arange(len(order))
+        number[order] = torch.arange(len(order), device="cpu")
         index = number[inverse]
         counts = torch.bincount(index, minlength=len(order))
         by_user = index.argsort(stable=True)
         starts = counts.cumsum(0) - counts
-        position = torch.arange(batch) - starts[index[by_user]]
-        members = torch.full((len(order), int(counts.max())), batch)
+        position = rows - starts[index[by_user]]
+        members = torch.full((len(order), int(counts.max())), batch, device="cpu")
         members[index[by_user], position] = by_user
         partition = tuple(index.tolist()) if members.shape[1] > 1 else ()
         return UserGroups(index.to(device), members.to(device), unique[order], partition)

@@ -65,7 +65,7 @@ def rank_pieces(
 def _owners(batch: dict[str, Any], size: int, world: int, users_key: str | None) -> Tensor:
     """`[size]` the rank each row goes to: row i to rank i % world, or its user's (by first appearance)."""
     if users_key is None:
-        return torch.arange(size) % world
+        return torch.arange(size, device="cpu") % world
     return UserGroups.of(batch[users_key], size, torch.device("cpu")).index % world
 
 

@@ -362,7 +362,7 @@ def _user_ids(dataset: Any, column: str) -> Tensor:
             f"PrivacyArguments.user_column={column!r} must hold one integer user id per example; example {bad} has "
             f"{type(ids[bad]).__name__} {getattr(ids[bad], 'shape', ids[bad])!s:.60}."
         )
-    return torch.tensor([int(u) for u in ids], dtype=torch.long)
+    return torch.tensor([int(u) for u in ids], dtype=torch.long, device="cpu")
 
 
 def _is_integer(value: object) -> bool:

@@ -157,7 +157,7 @@ class _PairRows:
 
     def __call__(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.collator(records)
-        batch[RECORD] = torch.arange(len(records))
+        batch[RECORD] = torch.arange(len(records), device="cpu")
         halves = {key: batch.pop(key).chunk(2) for key in _ROW_KEYS}
         return batch | {
             f"{side}_{key}": halves[key][k] for key in _ROW_KEYS for k, side in enumerate(("chosen", "rejected"))

@@ -104,7 +104,6 @@ def test_a_hugging_face_model_and_the_canary_audit_create_no_tensor_on_the_defau
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
-
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
 def test_user_level_training_creates_no_tensor_on_the_default_device(mode):
     """(Found on CUDA: the users' grouping and the user loader built their indices on the default device, so with

@@ -21,11 +21,12 @@ from tests.test_hf_models import VOCAB, gpt2
 
 @contextlib.contextmanager
 def default_device_meta():
+    previous = torch.get_default_device()  # (CUDA where the suite runs there)
     torch.set_default_device("meta")
     try:
         yield
     finally:
-        torch.set_default_device(None)
+        torch.set_default_device(previous)
 
 
 class Positions(nn.Module):

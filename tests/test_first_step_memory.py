@@ -77,7 +77,7 @@ def _peaks(model: nn.Module, batches: list[torch.Tensor], mode: str | None, loss
                 engine.backward(losses(model, batch))
             engine.step()
 
-    return [step_peak_mib(step, "cpu") for _ in range(4)]
+    return [step_peak_mib(step, torch.get_default_device().type) for _ in range(4)]  # (CUDA under on_cuda)
 
 
 def _check(

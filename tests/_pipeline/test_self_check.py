@@ -223,7 +223,7 @@ def test_row_sketches_pass_scaled_rows_exactly_and_catch_mixed_ones(shape, dim, 
     sketch's error is then exactly 0. Rows that are another sample's are caught at every tolerance the check uses."""
     batch = 6
     grad = torch.randn(shape, dtype=torch.float64).to(dtype)
-    weights = self_check._powers_of_two(batch, [dtype], torch.Generator().manual_seed(0))
+    weights = self_check._powers_of_two(batch, [dtype], torch.Generator().manual_seed(0)).to(grad.device)
     sketch = self_check.RowSketch.of(grad, torch.Size(shape), dim, batch, seed=3)
     by_sample = grad.movedim(dim, 0)
     by_sample = by_sample.reshape(batch, -1, *by_sample.shape[1:])  # (folded rows: k per sample)

@@ -58,7 +58,8 @@ def test_recurrent_layers_match_oracle(batch, steps, layer, with_state, mode):
     x = torch.randn(batch, steps, IN, dtype=torch.float64)
     h0 = torch.randn(layer.num_layers * directions, batch, layer.proj_size or HIDDEN, dtype=torch.float64)
     c0 = torch.randn(layer.num_layers * directions, batch, HIDDEN, dtype=torch.float64)
-    check_against_oracle(model, lambda s: model(x[s], h0[:, s], c0[:, s]), batch, mode=mode)
+    # (a sample's states as contiguous tensors: cuDNN refuses a strided initial state)
+    check_against_oracle(model, lambda s: model(x[s], h0[:, s].contiguous(), c0[:, s].contiguous()), batch, mode=mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -80,7 +81,7 @@ def test_stacked_bidirectional_time_major_in_every_mode(kind, mode):
 
 def test_packed_sequences_are_refused():
     lstm = nn.LSTM(IN, HIDDEN, batch_first=True)
-    packed = pack_padded_sequence(torch.randn(3, 4, IN), torch.tensor([4, 2, 1]), batch_first=True)
+    packed = pack_padded_sequence(torch.randn(3, 4, IN), torch.tensor([4, 2, 1], device="cpu"), batch_first=True)
     with (
         flashdp.make_private(lstm, max_grad_norm=1.0, noise_multiplier=1.0),
         pytest.raises(FlashDPError, match=r"Layer '<root>' \(LSTM\): called on a PackedSequence.*Pad the batch"),

@@ -147,8 +147,11 @@ def _structure_attributes(node: Node) -> tuple[str, ...]:
     batch statistics mix samples, running ones do not) and of the positions it saved (`_POSITIONS`): a step that
     flips, sums or concatenates along another dim with the same ops, runs one in another mode, or rolls or slices
     the batch by another offset, is another structure. Not the op's sizes (a slice's end, a split's size: a new
-    structure on every sequence length)."""
-    saved = {a: getattr(node, a) for a in dir(node) if a.startswith("_saved_")}
+    structure on every sequence length). Saved tensors (those with a `_raw_saved_` twin) are not unpacked: that
+    would copy them back from the host or recompute a checkpointed region, and fail once one is modified in place."""
+    attributes = dir(node)
+    tensors = {a.removeprefix("_raw") for a in attributes if a.startswith("_raw_saved_")}
+    saved = {a: getattr(node, a) for a in attributes if a.startswith("_saved_") and a not in tensors}
     names = tuple(
         a
         for a, value in saved.items()

@@ -49,13 +49,13 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
     )
     output_slots = tuple(call.output_meta[j].slot for j in used)
 
-    def one_sample(sample_inputs: tuple[Tensor, ...], sample_cotangents: tuple[Tensor, ...]):
+    def one_sample(sample_inputs: tuple[Tensor, ...], sample_cotangents: tuple[Tensor, ...], pullback_of=vjp):
         inputs = list(leaves)
         for i, x in zip(batched, sample_inputs, strict=True):
             inputs[i] = x  # its rows: a batch of 1, or the k rows of a batch folded into rows
         args, kwargs = tree_unflatten(inputs, spec)
 
-        outputs, pullback = vjp(lambda p: _outputs(call, p, (args, kwargs), output_slots), params)
+        outputs, pullback = pullback_of(lambda p: _outputs(call, p, (args, kwargs), output_slots), params)
         (grads,) = pullback(sample_cotangents)
         return grads, outputs
 
@@ -79,19 +79,20 @@ _TRANSFORM_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
 def _each_sample(label: str, one_sample: Callable, inputs: tuple[Tensor, ...], cotangents: tuple[Tensor, ...]):
     """`one_sample` over the samples (dim 0 of `inputs` and `cotangents`), its results stacked: one vmap, or, where
     vmap cannot run the forward (an op without a batching rule, such as `nn.GRU` with a per-sample initial state,
-    boolean indexing, control flow on the values), one run per sample: the same function on the same rows, B times
-    slower (warned)."""
+    boolean indexing, control flow on the values), one run per sample by plain autograd (cuDNN's RNNs, and
+    autograd.Functions without `setup_context`, run under no torch.func transform): the same function on the same
+    rows, B times slower (warned)."""
     try:
         return vmap(one_sample, randomness="different")(inputs, cotangents)
     except _TRANSFORM_ERRORS as error:
         vmap_error = error
     try:
         runs = [
-            one_sample(tuple(x[b] for x in inputs), tuple(c[b] for c in cotangents))
+            one_sample(tuple(x[b] for x in inputs), tuple(c[b] for c in cotangents), pullback_of=_autograd_vjp)
             for b in range(cotangents[0].shape[0])
         ]
     except _TRANSFORM_ERRORS as error:
-        raise _vmap_error(label, vmap_error) from error
+        raise _vmap_error(label, vmap_error, error) from error
     warnings.warn(
         f"The generic rule re-runs {label} one sample at a time, B runs per backward: torch.func.vmap cannot run "
         f"its forward ({type(vmap_error).__name__}: {str(vmap_error).splitlines()[0][:200]}). Register a rule for "
@@ -102,6 +103,24 @@ def _each_sample(label: str, one_sample: Callable, inputs: tuple[Tensor, ...], c
     grads = {name: torch.stack([g[name] for g, _ in runs]) for name in runs[0][0]}
     outputs = tuple(torch.stack([o[j] for _, o in runs]) for j in range(len(runs[0][1])))
     return grads, outputs
+
+
+def _autograd_vjp(forward: Callable, params: dict[str, Tensor]) -> tuple[tuple[Tensor, ...], Callable]:
+    """`torch.func.vjp(forward, params)` by plain autograd, for one sample's run: the outputs, detached, and the
+    pullback of their cotangents to `({name: gradient},)` (zeros for a parameter the outputs do not read)."""
+    leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
+    outputs = forward(leaves)
+
+    def pullback(cotangents: tuple[Tensor, ...]) -> tuple[dict[str, Tensor]]:
+        read = [(o, c) for o, c in zip(outputs, cotangents, strict=True) if o.requires_grad]
+        grads = (None,) * len(leaves)
+        if read:
+            grads = torch.autograd.grad(
+                [o for o, _ in read], list(leaves.values()), [c for _, c in read], allow_unused=True
+            )
+        return ({n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(leaves.items(), grads, strict=True)},)
+
+    return tuple(o.detach() for o in outputs), pullback
 
 
 def _batch_outputs(
@@ -125,23 +144,16 @@ def _outputs(
     return tuple(out[slot] for slot in slots)
 
 
-def _vmap_error(label: str, error: Exception) -> FlashDPError:
-    said = str(error)
-    if "saved tensor hooks" in said:
-        cause = (
-            "its forward runs activation checkpointing (torch.utils.checkpoint), whose saved-tensor hooks vmap "
-            "cannot run. Checkpoint whole blocks whose layers have rules (or outside this module), or register a "
-            "rule for its type with flashdp.register_rule(...)."
-        )
-    else:
-        cause = (
-            "this happens with data-dependent control flow (a branch or a shape that depends on values), inputs "
-            "that fold the batch into another dim, or a cache the forward updates (train with use_cache=False). "
-            "Freeze its parameters, or register a rule for its type with flashdp.register_rule(...)."
-        )
+def _vmap_error(label: str, vmap_error: Exception, run_error: Exception) -> FlashDPError:
+    def said(error: Exception) -> str:
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+
     return FlashDPError(
         f"The generic rule cannot compute per-sample gradients for {label}: torch.func.vmap cannot run its forward "
-        f"one sample at a time ({type(error).__name__}: {said.splitlines()[0][:300]}): {cause}"
+        f"one sample at a time ({said(vmap_error)}), nor can plain autograd on one sample's rows ({said(run_error)}): "
+        "this happens with inputs that fold the batch into another dim, or a cache the forward updates (train "
+        "with use_cache=False). Freeze its parameters, or register a rule for its type with "
+        "flashdp.register_rule(...)."
     )
 
 

@@ -42,11 +42,15 @@ for name in ${PARTS:-kernels syncs step autocast tests_kernels tests_cuda_only};
     workloads) part workloads 180 python3 benchmarks/hf_models.py --workloads --no-write --device cuda ;;
     first_memory) part first_memory 120 python3 benchmarks/long_context.py --seqs 1024 --batches 4 --max-seq-b4 1024 \
         --no-time --no-docs --out "$OUT/first_memory.csv" --modes non-private flashdp-bk flashdp-ghost ;;
+    suite) part suite 300 python3 -m pytest -q -p no:cacheprovider -p benchmarks.gpu.on_cuda -n 16 tests \
+        --ignore=tests/distributed --ignore=tests/integrations/test_transformers_ddp.py --ignore=tests/test_docs.py \
+        --ignore=tests/test_code_shape.py --ignore=tests/test_packaging.py --ignore=tests/test_examples.py \
+        --ignore=tests/test_default_device.py --timeout 120 -rf ;;
     tests_cuda_only) part tests_cuda_only 90 python3 -m pytest -q -p no:cacheprovider -n 4 -k on_cuda \
         tests/rules/test_recurrent.py tests/rules/test_conv.py --timeout 80 -rf ;;
     esac
 done
-grep -hs "^| \|passed\|failed" "$OUT"/kernels.log "$OUT"/syncs.log "$OUT"/autocast.log "$OUT"/host.log \
+grep -hs "^| \|passed\|failed\|^FAILED" "$OUT"/kernels.log "$OUT"/syncs.log "$OUT"/autocast.log "$OUT"/host.log \
     "$OUT"/workloads.log "$OUT"/tests_*.log | tail -60
 cat "$OUT"/first_memory.csv 2>/dev/null
 grep -hs '"mode"' "$OUT"/step.log | cut -c1-400

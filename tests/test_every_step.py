@@ -1199,6 +1199,117 @@ def test_an_autograd_function_torch_func_cannot_transform_is_counted_one_sample_
         check_steps(OldStyleFunction().double(), batches, _sum_loss, _rows, [3, 2, 3], mode=mode, max_grad_norm=0.1)
 
 
+class ReadsAnAlias(nn.Module):
+    """`v` read through a Python list (functional_call cannot swap it), under control flow vmap cannot run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.v, self.head = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3)), nn.Linear(3, 2)
+        self.alias = [self.v]
+
+    def forward(self, x):  # x [B, 3]
+        h = x * self.w
+        if bool((x.abs() < 1e6).all()):
+            h = h + x * self.alias[0]
+        return self.head(h)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parameter_read_without_the_swap_is_refused_one_sample_at_a_time_too(mode):
+    """(A breaker's finding, the day the runs by plain autograd came: their outputs were detached before the walk
+    that finds such reads, so `v` was counted 0, silently.)"""
+    torch.manual_seed(0)
+    model = ReadsAnAlias().double()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None)
+    with pytest.raises(FlashDPError, match="read 'v' without the swap"):
+        engine.backward(_sum_loss(model, torch.randn(4, 3, dtype=torch.float64)))
+    assert all(p.grad is None for p in model.parameters())
+
+
+class RunningMean(nn.Module):
+    """Updates a running mean and a sample count in its training forward (vmap refuses the write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.head = nn.Parameter(torch.randn(3)), nn.Linear(3, 2)
+        self.register_buffer("mean", torch.zeros(3))
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):  # x [B, 3]
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+            self.seen.add_(x.shape[0])
+        return self.head(x * self.w)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forward_updating_its_buffers_is_exact_and_updates_them_once(mode):
+    """(A breaker's finding: the runs one sample at a time updated the module's buffers B more times per backward.)
+    They update copies; the model's state is the forward's alone."""
+    torch.manual_seed(0)
+    batches = [torch.randn(b, 3, dtype=torch.float64) for b in (4, 2, 3)]
+    model = RunningMean().double()
+    with pytest.warns(flashdp.FlashDPWarning, match="one sample at a time"):
+        check_steps(model, batches, _sum_loss, _rows, [4, 2, 3], mode=mode, max_grad_norm=0.1)
+    assert model.seen.item() == sum(len(x) for x in batches)
+    torch.testing.assert_close(model.mean, _means_after(batches))
+
+
+def _means_after(batches: list[torch.Tensor]) -> torch.Tensor:
+    mean = torch.zeros(3, dtype=torch.float64)
+    for x in batches:
+        mean = 0.9 * mean + 0.1 * x.mean(0)
+    return mean
+
+
+class _ScaleInPlace(torch.autograd.Function):
+    """x *= w in place (mark_dirty), old style."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x.detach().clone(), w)
+        ctx.mark_dirty(x)
+        return x.mul_(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum_to_size(w.shape)
+
+
+class _ScalesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return _ScaleInPlace.apply(x, self.w)
+
+
+class ScalesItsInputInPlace(nn.Module):
+    """The scaling module's input is the first layer's output: a recorded activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.scale, self.head = nn.Linear(3, 3), _ScalesItsInput(), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(self.scale(self.first(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_function_writing_to_its_input_in_place_is_exact_or_refused_never_a_crash(mode):
+    """(A breaker's finding: the runs one sample at a time wrote into the recorded activation itself, and ghost
+    failed with autograd's version error.) They write to copies of the sample's rows."""
+    torch.manual_seed(0)
+    batches = [torch.randn(b, 3, dtype=torch.float64) for b in (4, 3)]
+    refused = check_steps(
+        ScalesItsInputInPlace().double(), batches, _sum_loss, _rows, [4, 3], mode=mode, max_grad_norm=0.1,
+        refusals=True,
+    )  # fmt: skip
+    assert refused in ([], [0, 1])
+
+
 def test_a_second_backward_on_a_forward_the_first_took_names_the_cause():
     """(A breaker's finding: two forwards, then a backward on each: the second was refused with a coverage message
     about an op outside every module.) The first backward takes every call recorded since the one before."""

@@ -12,6 +12,7 @@ counts, `[B, *shape]` each.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -62,7 +63,7 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
     per_sample_inputs = tuple(_by_sample(leaves[i], batch) for i in batched)
     versions = [p._version for p in params.values()]
     with autocast_like(call), torch.enable_grad():
-        grads, outputs = _each_sample(call.label, one_sample, per_sample_inputs, cotangents)
+        grads, outputs = _each_sample(call, one_sample, per_sample_inputs, cotangents)
     _refuse_modified_params(call, params, versions)
     recorded = [call.outputs[j] for j in used]
     if any(r is None for r in recorded):  # a module first recorded only as an enclosing scope: no outputs kept
@@ -76,27 +77,25 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
 _TRANSFORM_ERRORS = (RuntimeError, ValueError, TypeError, IndexError)
 
 
-def _each_sample(label: str, one_sample: Callable, inputs: tuple[Tensor, ...], cotangents: tuple[Tensor, ...]):
+def _each_sample(call: LayerCall, one_sample: Callable, inputs: tuple[Tensor, ...], cotangents: tuple[Tensor, ...]):
     """`one_sample` over the samples (dim 0 of `inputs` and `cotangents`), its results stacked: one vmap, or, where
     vmap cannot run the forward (an op without a batching rule, such as `nn.GRU` with a per-sample initial state,
-    boolean indexing, control flow on the values), one run per sample by plain autograd (cuDNN's RNNs, and
-    autograd.Functions without `setup_context`, run under no torch.func transform): the same function on the same
-    rows, B times slower (warned)."""
+    boolean indexing, control flow on the values), one run per sample by plain autograd (`_runs_by_autograd`): the
+    same function on the same rows, B times slower (warned)."""
     try:
         return vmap(one_sample, randomness="different")(inputs, cotangents)
     except _TRANSFORM_ERRORS as error:
         vmap_error = error
     try:
-        runs = [
-            one_sample(tuple(x[b] for x in inputs), tuple(c[b] for c in cotangents), pullback_of=_autograd_vjp)
-            for b in range(cotangents[0].shape[0])
-        ]
+        runs = _runs_by_autograd(call, one_sample, inputs, cotangents)
+    except FlashDPError:  # (a refusal of its own: a parameter read without the swap, an input written to)
+        raise
     except _TRANSFORM_ERRORS as error:
-        raise _vmap_error(label, vmap_error, error) from error
+        raise _vmap_error(call.label, vmap_error, error) from error
     warnings.warn(
-        f"The generic rule re-runs {label} one sample at a time, B runs per backward: torch.func.vmap cannot run "
-        f"its forward ({type(vmap_error).__name__}: {str(vmap_error).splitlines()[0][:200]}). Register a rule for "
-        "its type with flashdp.register_rule(...) for speed.",
+        f"The generic rule re-runs {call.label} one sample at a time, B runs per backward: torch.func.vmap cannot "
+        f"run its forward ({type(vmap_error).__name__}: {str(vmap_error).splitlines()[0][:200]}). Register a rule "
+        "for its type with flashdp.register_rule(...) for speed.",
         FlashDPWarning,
         stacklevel=2,
     )
@@ -105,11 +104,39 @@ def _each_sample(label: str, one_sample: Callable, inputs: tuple[Tensor, ...], c
     return grads, outputs
 
 
-def _autograd_vjp(forward: Callable, params: dict[str, Tensor]) -> tuple[tuple[Tensor, ...], Callable]:
-    """`torch.func.vjp(forward, params)` by plain autograd, for one sample's run: the outputs, detached, and the
-    pullback of their cotangents to `({name: gradient},)` (zeros for a parameter the outputs do not read)."""
+def _runs_by_autograd(
+    call: LayerCall, one_sample: Callable, inputs: tuple[Tensor, ...], cotangents: tuple[Tensor, ...]
+) -> list[tuple[dict[str, Tensor], tuple[Tensor, ...]]]:
+    """`one_sample` on each sample by plain autograd (cuDNN's RNNs, autograd.Functions without `setup_context` and
+    checkpoints run under no torch.func transform), on copies of the sample's rows and of the module's buffers: a
+    forward that writes to its input in place, or updates running statistics, writes to the copies, not to the
+    recorded activations or the model's state (vmap refuses such writes). An input shared by the samples that the
+    re-run writes to is refused."""
+    state = {name: t.clone() for name, t in {**dict(call.module.named_buffers()), **call.frozen}.items()}
+    pullback_of = functools.partial(_autograd_vjp, call, state)
+    shared = [(t, t._version) for t in tree_leaves((call.args, call.kwargs)) if isinstance(t, Tensor)]
+    runs = [
+        one_sample(tuple(x[b].clone() for x in inputs), tuple(c[b] for c in cotangents), pullback_of=pullback_of)
+        for b in range(cotangents[0].shape[0])
+    ]
+    if any(t._version != version for t, version in shared):
+        raise FlashDPError(
+            f"The forward of {call.label} writes to one of its inputs in place: flashdp's generic rule re-runs it "
+            "one sample at a time and would write again. Nothing was added to .grad. Make that write out of place, "
+            "or register a rule for the layer with flashdp.register_rule(...)."
+        )
+    return runs
+
+
+def _autograd_vjp(
+    call: LayerCall, state: dict[str, Tensor], forward: Callable, params: dict[str, Tensor]
+) -> tuple[tuple[Tensor, ...], Callable]:
+    """`torch.func.vjp(forward, params)` by plain autograd, for one sample's run with the module's tensors `state`:
+    the outputs, detached, and the pullback of their cotangents to `({name: gradient},)` (zeros for a parameter
+    the outputs do not read). A parameter read without the swap is refused (`_refuse_unswapped_reads`)."""
     leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
-    outputs = forward(leaves)
+    outputs = forward({**state, **leaves})
+    _refuse_unswapped_reads(call, outputs)
 
     def pullback(cotangents: tuple[Tensor, ...]) -> tuple[dict[str, Tensor]]:
         read = [(o, c) for o, c in zip(outputs, cotangents, strict=True) if o.requires_grad]

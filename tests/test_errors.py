@@ -349,6 +349,27 @@ def test_detached_engine_refuses_to_clip():
         eng.backward(model(torch.randn(2, 4)).sum(1))
 
 
+@pytest.mark.parametrize("table", [nn.Embedding(6, 3), nn.EmbeddingBag(6, 3, mode="sum")], ids=["Embedding", "Bag"])
+def test_max_norm_set_on_a_frozen_table_after_make_private_is_refused_before_its_forward(table):
+    """(Left open last session: no hook ran on a frozen table, so max_norm set after make_private renormalised the
+    rows of the private batches in place, unseen.) Refused before the forward touches the table."""
+    table.requires_grad_(False)
+    model = nn.Sequential(table, nn.Linear(3, 2)) if isinstance(table, nn.EmbeddingBag) else nn.Sequential(
+        table, nn.Flatten(), nn.Linear(9, 2)
+    )
+    ids = torch.tensor([[1, 2, 5], [0, 4, 4]])
+    engine = flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=0.0)
+    engine.backward(model(ids).square().sum(1))
+    table.weight.mul_(10.0)  # (rows well above the bound: a renormalisation would change them)
+    before = table.weight.clone()
+    table.max_norm = 1.0
+    with pytest.raises(FlashDPError, match=r"'0' \((Embedding|EmbeddingBag)\): max_norm renormalises"):
+        model(ids)
+    assert torch.equal(table.weight, before)
+    engine.detach()
+    model(ids)  # (a detached engine watches nothing)
+
+
 def test_a_frozen_max_norm_embedding_is_refused_too():
     """Its forward renormalises the rows the private batch looks up, in place: the released table would tell which
     tokens the batches held, though no gradient reaches it."""

@@ -34,7 +34,8 @@ class Attachment:
         # (under FSDP the registered parameters are not the ones autograd accumulates into)
         watched = {} if adapter.reshards_after_forward else {p.name: p.param for p in plan.params}
         self.grad_writes = GradWrites(watched)
-        self._detach = _Detacher(self.recorder, self.provenance, self.grad_writes, adapter, self._modules)
+        tables = guards.FrozenTables(model, {id(m) for m in self._modules})
+        self._detach = _Detacher((self.recorder, self.provenance, self.grad_writes, tables), adapter, self._modules)
         if trains:
             self.recorder.owner = engine
         else:
@@ -53,10 +54,9 @@ class _Detacher:
     """Removes every hook and restores what was changed on a wrapper, once (no reference to the engine: it also
     runs when an engine that only measures is garbage-collected)."""
 
-    def __init__(
-        self, recorder: Recorder, provenance: GradientProvenance, writes: GradWrites, adapter: Adapter, modules: list
-    ) -> None:
-        self._parts: tuple | None = (recorder, provenance, writes, adapter, modules)
+    def __init__(self, hooks: tuple, adapter: Adapter, modules: list) -> None:
+        """hooks: the objects whose `remove()` takes their hooks off the model (recorder, provenance, ...)."""
+        self._parts: tuple | None = (hooks, adapter, modules)
 
     @property
     def alive(self) -> bool:
@@ -65,10 +65,9 @@ class _Detacher:
     def __call__(self) -> None:
         if self._parts is None:
             return
-        recorder, provenance, writes, adapter, modules = self._parts
+        hooks, adapter, modules = self._parts
         self._parts = None
-        recorder.remove()
-        provenance.remove()
-        writes.remove()
+        for part in hooks:
+            part.remove()
         adapter.detach()
         guards.release(modules)

@@ -1,15 +1,17 @@
 """Checks of what the engine is given, at the earliest point each can fail: the loss, the optimizer, a model
-whose parameters changed since make_private, and a model another engine is attached to."""
+whose parameters changed since make_private, a model another engine is attached to, and a frozen embedding table
+set to renormalise its rows."""
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import Tensor, nn
 
 from flashdp.errors import FlashDPError
+from flashdp.rules.embedding import RENORM_LEAK
 
 #: module -> the engine (weakly) whose hooks record it: one engine per module at a time
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
@@ -94,3 +96,26 @@ def check_loss(loss: object) -> Tensor:
         bad = torch.nonzero(~finite).flatten().tolist()
         raise FlashDPError(f"Non-finite per-sample losses at batch indices {bad[:20]}: fix them before clipping.")
     return loss
+
+
+class FrozenTables:
+    """Forward pre-hooks on the model's embedding tables that no rule site watches (frozen ones; a trainable table's
+    rule checks its settings at every call): `max_norm` set on one after make_private is refused before its forward
+    renormalises, in place, the rows a private batch looks up."""
+
+    def __init__(self, model: nn.Module, watched: Collection[int]) -> None:
+        self._labels = {
+            id(m): f"'{name}' ({type(m).__name__})"
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Embedding | nn.EmbeddingBag) and id(m) not in watched
+        }
+        tables = [m for m in model.modules() if id(m) in self._labels]
+        self._handles = [table.register_forward_pre_hook(self._refuse_max_norm) for table in tables]
+
+    def _refuse_max_norm(self, table: nn.Module, args: tuple) -> None:
+        if table.max_norm is not None:
+            raise FlashDPError(f"{self._labels[id(table)]}: max_norm {RENORM_LEAK}.")
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()

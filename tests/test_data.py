@@ -187,3 +187,10 @@ def test_a_loaders_bad_arguments_are_refused_naming_them(options, match):
     """A breaker's: DataLoader's bare ValueError or TypeError, or examples_per_user ignored without users."""
     with pytest.raises(FlashDPError, match=match):
         flashdp.poisson_loader(TensorDataset(torch.randn(10, 2)), 0.5, **options)
+
+
+@pytest.mark.parametrize("rate", ["0.1", None, float("nan"), 0, 1.5, -0.1])
+def test_a_sampling_rate_that_is_not_a_probability_is_refused(rate):
+    """(A string or None raised a bare TypeError before: the sampler compared it with numbers.)"""
+    with pytest.raises(flashdp.FlashDPError, match="sample_rate"):
+        flashdp.poisson_loader(list(range(10)), rate)

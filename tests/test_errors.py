@@ -354,8 +354,10 @@ def test_max_norm_set_on_a_frozen_table_after_make_private_is_refused_before_its
     """(Left open last session: no hook ran on a frozen table, so max_norm set after make_private renormalised the
     rows of the private batches in place, unseen.) Refused before the forward touches the table."""
     table.requires_grad_(False)
-    model = nn.Sequential(table, nn.Linear(3, 2)) if isinstance(table, nn.EmbeddingBag) else nn.Sequential(
-        table, nn.Flatten(), nn.Linear(9, 2)
+    model = (
+        nn.Sequential(table, nn.Linear(3, 2))
+        if isinstance(table, nn.EmbeddingBag)
+        else nn.Sequential(table, nn.Flatten(), nn.Linear(9, 2))
     )
     ids = torch.tensor([[1, 2, 5], [0, 4, 4]])
     engine = flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=0.0)

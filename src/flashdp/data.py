@@ -14,6 +14,7 @@ from flashdp._checks import is_int
 from flashdp._pipeline.users import holds_integers
 from flashdp.errors import FlashDPError
 from flashdp.privacy import csprng, keyed
+from flashdp.privacy.settings import check_sample_rate
 
 #: how far apart the seeds of two epochs are (an odd constant: the golden ratio in 64 bits)
 _EPOCH_STRIDE = 0x9E3779B97F4A7C15
@@ -47,8 +48,9 @@ class PoissonSampler(Sampler[list[int]]):
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        if not 0 < sample_rate <= 1:
-            raise FlashDPError(f"sample_rate must be in (0, 1]. Received {sample_rate!r}.")
+        if sample_rate is None:
+            raise FlashDPError("sample_rate, the Poisson sampling probability q in (0, 1], is required. Received None.")
+        check_sample_rate(sample_rate)
         if steps is not None and not (is_int(steps) and steps > 0):
             raise FlashDPError(f"steps (batches per pass over the loader) must be a positive int. Received {steps!r}.")
         if not 0 <= rank < world_size:

@@ -486,3 +486,45 @@ def test_a_step_whose_users_group_the_rows_otherwise_is_verified_again(mode):
         engine.step()
         with pytest.raises(FlashDPError, match="Self-check failed"):
             engine.backward(pair_losses(per_sample_loss(model(x)), 2), users=torch.tensor([0, 0, 1, 1]))
+
+
+def _linear_engine(**options) -> tuple[nn.Module, flashdp.DPEngine]:
+    model = nn.Linear(3, 2).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    settings = {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "expected_batch_size": 2, "sample_rate": 0.5}
+    return model, flashdp.make_private(model, optimizer=optimizer, **settings, **options)
+
+
+def _losses(model: nn.Module) -> Tensor:
+    return model(torch.randn(2, 3, dtype=torch.float64)).square().sum(1)
+
+
+def test_the_privacy_unit_is_resumed_from_a_checkpoint():
+    """(A breaker's finding: the checkpoint did not record the unit, so a run by rows resumed by users, and its
+    epsilon mixed the two units.)"""
+    model, by_rows = _linear_engine()
+    by_rows.backward(_losses(model))
+    by_rows.step()
+    state = by_rows.state_dict()
+    by_rows.detach()
+    model, by_users = _linear_engine()
+    by_users.backward(_losses(model), users=torch.tensor([3, 4]))
+    with pytest.raises(FlashDPError, match="checkpoint's run clipped by sample, this engine by user"):
+        by_users.load_state_dict(state)
+    by_users.detach()
+    model, fresh = _linear_engine()
+    fresh.load_state_dict(state)  # (no backward yet: it takes the checkpoint's unit)
+    with pytest.raises(FlashDPError, match="This engine clips by sample"):
+        fresh.backward(_losses(model), users=torch.tensor([3, 4]))
+
+
+def test_user_ids_on_the_meta_device_are_refused():
+    model, engine = _linear_engine()
+    with pytest.raises(FlashDPError, match="meta device"):
+        engine.backward(_losses(model), users=torch.tensor([1, 2], device="meta"))
+
+
+def test_the_user_sampler_refuses_ids_that_are_not_integers():
+    """(A breaker's finding: float ids were truncated, merging users 0.2 and 0.7 into one.)"""
+    with pytest.raises(FlashDPError, match="integer user ids"):
+        flashdp.data.UserPoissonSampler(torch.tensor([0.2, 0.7, 1.5, 1.9]), 1.0, 1, steps=1, seed=0)

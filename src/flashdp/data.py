@@ -146,7 +146,12 @@ class UserPoissonSampler(Sampler[list[int]]):
     ) -> None:
         if isinstance(examples_per_user, bool) or not (isinstance(examples_per_user, int) and examples_per_user >= 1):
             raise FlashDPError(f"examples_per_user must be an integer >= 1. Received {examples_per_user!r}.")
-        ids = torch.as_tensor(users, device="cpu").to(torch.long).flatten()
+        ids = torch.as_tensor(users, device="cpu")
+        if not holds_integers(ids):
+            raise FlashDPError(
+                f"users must hold integer user ids. Received dtype {ids.dtype}: map user names to integers first."
+            )
+        ids = ids.to(torch.long).flatten()
         unique, inverse = torch.unique(ids, return_inverse=True)
         mine = torch.arange(rank, len(unique), world_size, device="cpu")
         self.examples = [(inverse == u).nonzero().flatten() for u in mine.tolist()]

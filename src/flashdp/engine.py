@@ -328,15 +328,15 @@ class DPEngine:
         """What a resumed run needs to report the same epsilon: the settings it must match and the accountant's
         history. The noise generators' state only when the run was seeded (`make_private(seed=...)`): it is the
         secret that removes the noise, so an unseeded run keeps it out of checkpoints and draws fresh noise when
-        resumed; a seeded run resumes bitwise."""
-        return self.noisy_step.state_dict()
+        resumed; a seeded run resumes bitwise. The privacy unit (rows or users), once a backward fixed it."""
+        return self.noisy_step.state_dict() | {"unit": self._users.unit}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()`, e.g. `engine.load_state_dict(torch.load(path))` on an engine built with the
         same noise_multiplier, sample_rate and max_grad_norm (a different one is refused: the accounting would not
         describe the run). The accountant's history is restored, so `epsilon()` continues where it stopped; a
-        seeded run's noise generator too. All of the state is checked before anything is loaded."""
-        self.noisy_step.load_state_dict(state)
+        seeded run's noise generator and the run's privacy unit too; all is checked before anything is loaded."""
+        self._users.resume(state, lambda: self.noisy_step.load_state_dict(state))
 
     # -- lifecycle ----------------------------------------------------------------------------------------
 

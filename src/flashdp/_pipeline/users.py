@@ -17,6 +17,7 @@ in any order give one row per user, and nothing is regrouped.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,27 @@ class UserLedger:
         self.by_user: bool | None = None
         self._seen: set[int] = set()
 
+    @property
+    def unit(self) -> str | None:
+        """ "user" or "sample" once the first backward fixed it (what a checkpoint records), else None."""
+        return None if self.by_user is None else ("user" if self.by_user else "sample")
+
+    def resume(self, state: object, load: Callable[[], None]) -> None:
+        """Run `load()` (a checkpoint's other parts) if the checkpoint's unit (`state["unit"]`, None before its
+        run's first backward) agrees with this engine's, then clip by it: one run has one privacy unit, which its
+        epsilon describes."""
+        unit = state.get("unit") if isinstance(state, dict) else None
+        if unit not in (None, "user", "sample"):
+            raise FlashDPError(f"Cannot resume: the checkpoint's unit is not one flashdp wrote. Received {unit!r}.")
+        if unit is not None and self.unit is not None and unit != self.unit:
+            raise FlashDPError(
+                f"Cannot resume: the checkpoint's run clipped by {unit}, this engine by {self.unit}; one run has one "
+                "privacy unit, which its epsilon describes. Nothing was loaded."
+            )
+        load()
+        if unit is not None:
+            self.by_user = unit == "user"
+
     def agree_unit(self, some: bool, not_all: bool) -> None:
         """On the engine's first backward, its unit, from whether any rank gave users= (`some`) and any did not
         (`not_all`), as every rank agreed."""
@@ -200,6 +222,8 @@ def _checked_ids(users: object, batch: int) -> Tensor:
             f"users= expects a 1-D integer tensor with the user id of each row of the loss. Received "
             f"{type(users).__name__}; e.g. torch.as_tensor(batch['user_id'])."
         )
+    if users.is_meta:
+        raise FlashDPError("users= must hold the user ids' values. Received a tensor on the meta device.")
     if users.dim() != 1 or users.shape[0] != batch:
         raise FlashDPError(
             f"Wrong shape: users= must be 1-D with one id per row of the loss ({batch}). Received shape "

@@ -452,7 +452,7 @@ def _finish(
         skipped = nonfinite.nonfinite_samples(policy, clip_norms_sq, norms, group, finite, graph.users)
         if unit_gradients is not None:
             rtol = self_check.tolerance(done.dtypes, computed_in_tf32(loss))
-            counted = [self_check.Counted(p.name, p.key, n.norm_sq, n.plan) for p, n in norms]
+            counted = [self_check.Counted(p.name, p.key, n.norm_sq, n.plan, n.resolution_sq) for p, n in norms]
             self_check.check_per_sample(unit_gradients, counted, rtol)
     return Measurement(norms, clip_norms_sq, skipped)
 

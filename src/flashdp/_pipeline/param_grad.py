@@ -136,18 +136,23 @@ class ParamNorm:
     strategy: str
     #: what the clipped sum needs; None unless asked for (ghost and flash take theirs from a second backward)
     plan: ClippedSumPlan | None
+    #: `[B]` the floor of what the norms' rounding can resolve (`resolved_norm_sq`), where they are sums of inner
+    #: products; a norm equal to it bounds the true one from above
+    resolution_sq: Tensor | None = None
 
     def split(self, parts: int) -> list[ParamNorm]:
         """The norms and plans of `parts` parameters whose rows were stacked in this one (`norms_together`)."""
         plans = [None] * parts if self.plan is None else self.plan.split(parts)
+        floors = [None] * parts if self.resolution_sq is None else _parts(self.resolution_sq, parts)
         return [
-            ParamNorm(norm_sq, self.strategy, plan)
-            for norm_sq, plan in zip(_parts(self.norm_sq, parts), plans, strict=True)
+            ParamNorm(norm_sq, self.strategy, plan, floor)
+            for norm_sq, plan, floor in zip(_parts(self.norm_sq, parts), plans, floors, strict=True)
         ]
 
     def dropping(self, keep: Tensor) -> ParamNorm:
         """Without the samples where `keep` `[B]` is False in the clipped sum (see `ClippedSumPlan.dropping`)."""
-        return ParamNorm(self.norm_sq, self.strategy, None if self.plan is None else self.plan.dropping(keep))
+        plan = None if self.plan is None else self.plan.dropping(keep)
+        return ParamNorm(self.norm_sq, self.strategy, plan, self.resolution_sq)
 
 
 class ParamGradient:
@@ -322,6 +327,7 @@ class ParamGradient:
         tokens = [b for b in self.blocks if b.is_tokens]
         token_block = outer_products.concat_positions(tokens) if tokens else None
         factors = outer_products.concat_positions(dense) if dense else None
+        parts = [b for b in (factors, token_block) if b is not None]  # (what the gradient sums, for its rounding)
         materialised = None
         terms: list[Tensor] = []  # summed at the end (no zeros to add to: a step of tiny layers is host-bound)
         strategies = []
@@ -352,14 +358,15 @@ class ParamGradient:
             if materialised is not None:
                 materialised = materialised.view(self.batch_size, self.shape.numel())  # rows b * g + j, stacked
             plan = self._plan(materialised, factors, token_block)
-        total = functools.reduce(torch.add, terms)
+        total, floor = functools.reduce(torch.add, terms), None
         if "ghost" in strategies or len(terms) > 1:
-            # a sum of inner products (ghost, cross terms) rounds below 0 where its exact value, a squared norm, is
-            # about 0 (a user's rows that cancel): sqrt would give NaN. (clamp keeps a NaN or inf as it is)
-            total = total.clamp_min(0)
+            floor = resolution_sq(functools.reduce(torch.add, [parts_norm(b, dtype) for b in parts]), total.dtype)
+            total = torch.maximum(total, floor)  # (NaN and inf stay as they are)
         groups = self.blocks[0].conv_groups
-        norm_sq = total if groups == 1 else total.view(self.batch_size, groups).sum(1)
-        return ParamNorm(norm_sq, "+".join(strategies), plan)
+        if groups > 1:
+            total = total.view(self.batch_size, groups).sum(1)
+            floor = None if floor is None else floor.view(self.batch_size, groups).sum(1)
+        return ParamNorm(total, "+".join(strategies), plan, floor)
 
     def _plan(self, materialised: Tensor | None, factors: OuterGrad | None, tokens: OuterGrad | None) -> ClippedSumPlan:
         """The clipped sum's plan; factors every call of which its layer sums from row weights are not kept (rows
@@ -379,6 +386,25 @@ class ParamGradient:
 
     def _per_sample_strategy(self) -> str:
         return "generic" if self.generic else "direct" if self.dense_direct else "per-sample"
+
+
+def parts_norm(block: OuterGrad, dtype: torch.dtype) -> Tensor:
+    """`[N]` the sum over positions of each position's own gradient norm, `||l_t|| ||r_t||` (a one-hot row's
+    `||l_t||` is 1): what a gradient `sum_t r_t l_t^T` is made of, whatever cancels in the sum."""
+    right = torch.linalg.vector_norm(block.right, dim=2, dtype=dtype)
+    if block.is_tokens:
+        return right.sum(1)
+    return (torch.linalg.vector_norm(block.left, dim=2, dtype=dtype) * right).sum(1)
+
+
+def resolution_sq(parts: Tensor, dtype: torch.dtype) -> Tensor:
+    """`[N]` the floor of squared norms computed as sums of inner products (ghost norms, cross terms): what their
+    rounding can resolve, `2^10 eps S^2` (S: `parts`, the sum of the parts' norms; the error was measured near 1e-8
+    S^2 in float32). Where the parts cancel (a user's rows with opposite gradients, positions of one sample), the
+    computed value can round to about 0 while the true norm exceeds C, and the unit would be added unclipped: its
+    norm is taken as at least the floor, which bounds it from above. Where the parts do not cancel (a squared norm
+    of order S^2 / T), the floor is far below the norm."""
+    return 2.0**10 * torch.finfo(dtype).eps * parts.to(dtype).square()
 
 
 def norms_together(gradients: Sequence[ParamGradient], keep_for_sum: bool) -> list[ParamNorm]:

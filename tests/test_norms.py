@@ -55,3 +55,19 @@ def test_a_loss_that_mixes_samples_is_refused():
     with flashdp.PerSampleNorms(model) as norms, pytest.raises(flashdp.FlashDPError):
         out = model(torch.randn(4, 3, dtype=torch.float64))
         norms((out - out.mean(0)).pow(2).sum(1))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("norm_strategy", ["direct", "ghost"])
+def test_positions_that_cancel_add_at_most_c_whatever_the_rounding(mode, norm_strategy):
+    """(A breaker's finding: positions of 2^31 summing to 3 in float32; ghost's second backward summed them in
+    another order, to a gradient of 127 for a measured norm of 1: added unclipped, 127 C.) Norms are floored at
+    what their rounding resolves, which bounds both roundings."""
+    layer = nn.Linear(1, 1, bias=False)
+    settings = {"max_grad_norm": 1.0, "noise_multiplier": 0.0, "norm_strategy": norm_strategy}
+    engine = flashdp.make_private(layer, mode=mode, **settings)
+    x = torch.zeros(2, 8, 1)
+    x[0, :, 0] = torch.tensor([2.0**31, -(2.0**30), 3.0, -1.0, 2.0**31, -(2.0**30), -(2.0**31), 1.0])
+    with engine:
+        engine.backward(layer(x).sum((1, 2)) * torch.tensor([1.0, 0.0]))
+    assert float(layer.weight.grad.norm()) <= 1.0 + 1e-5

@@ -359,8 +359,10 @@ class ParamGradient:
                 materialised = materialised.view(self.batch_size, self.shape.numel())  # rows b * g + j, stacked
             plan = self._plan(materialised, factors, token_block)
         total, floor = functools.reduce(torch.add, terms), None
-        if "ghost" in strategies or len(terms) > 1:
-            floor = resolution_sq(functools.reduce(torch.add, [parts_norm(b, dtype) for b in parts]), total.dtype)
+        squared = "ghost" in strategies or len(terms) > 1  # (sums of inner products: a squared norm's rounding)
+        if squared or materialised is None:  # (a materialised gradient, measured and added as it is, needs none)
+            parts_sum = functools.reduce(torch.add, [parts_norm(b, dtype) for b in parts])
+            floor = resolution_sq(parts_sum, total.dtype, squared)
             total = torch.maximum(total, floor)  # (NaN and inf stay as they are)
         groups = self.blocks[0].conv_groups
         if groups > 1:
@@ -397,14 +399,18 @@ def parts_norm(block: OuterGrad, dtype: torch.dtype) -> Tensor:
     return (torch.linalg.vector_norm(block.left, dim=2, dtype=dtype) * right).sum(1)
 
 
-def resolution_sq(parts: Tensor, dtype: torch.dtype) -> Tensor:
-    """`[N]` the floor of squared norms computed as sums of inner products (ghost norms, cross terms): what their
-    rounding can resolve, `2^10 eps S^2` (S: `parts`, the sum of the parts' norms; the error was measured near 1e-8
-    S^2 in float32). Where the parts cancel (a user's rows with opposite gradients, positions of one sample), the
-    computed value can round to about 0 while the true norm exceeds C, and the unit would be added unclipped: its
-    norm is taken as at least the floor, which bounds it from above. Where the parts do not cancel (a squared norm
-    of order S^2 / T), the floor is far below the norm."""
-    return 2.0**10 * torch.finfo(dtype).eps * parts.to(dtype).square()
+def resolution_sq(parts: Tensor, dtype: torch.dtype, squared: bool) -> Tensor:
+    """`[N]` the floor of squared norms: what their rounding can resolve, S being `parts`, the sum of the parts'
+    norms. Where the parts cancel (a user's rows with opposite gradients, positions of one sample), the computed
+    norm can round to about 0 while the true one exceeds C, and the unit would be added unclipped; and ghost's
+    second backward sums the same parts in another order, to another rounding of the same small gradient. The norm
+    is taken as at least the floor, which bounds both from above. `squared`: the norm was computed as a sum of inner
+    products (ghost norms, cross terms), whose rounding is of order `eps S^2` (measured near 1e-8 S^2 in float32):
+    the floor is `2^10 eps S^2`; else the gradient was summed first (direct norms), of order `eps S`: `(2^10 eps
+    S)^2`. Where the parts do not cancel (a squared norm of order S^2 / T) the floor is far below the norm."""
+    resolution = 2.0**10 * torch.finfo(dtype).eps
+    parts = parts.to(dtype)
+    return resolution * parts.square() if squared else (resolution * parts).square()
 
 
 def norms_together(gradients: Sequence[ParamGradient], keep_for_sum: bool) -> list[ParamNorm]:

@@ -4,6 +4,7 @@ set to renormalise its rows."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Collection, Iterable
 
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from flashdp.errors import FlashDPError
-from flashdp.rules.embedding import RENORM_LEAK
+from flashdp.rules.embedding import RENORM_LEAK, labelled_tables
 
 #: module -> the engine (weakly) whose hooks record it: one engine per module at a time
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
@@ -104,18 +105,17 @@ class FrozenTables:
     renormalises, in place, the rows a private batch looks up."""
 
     def __init__(self, model: nn.Module, watched: Collection[int]) -> None:
-        self._labels = {
-            id(m): f"'{name}' ({type(m).__name__})"
-            for name, m in model.named_modules()
-            if isinstance(m, nn.Embedding | nn.EmbeddingBag) and id(m) not in watched
-        }
-        tables = [m for m in model.modules() if id(m) in self._labels]
-        self._handles = [table.register_forward_pre_hook(self._refuse_max_norm) for table in tables]
-
-    def _refuse_max_norm(self, table: nn.Module, args: tuple) -> None:
-        if table.max_norm is not None:
-            raise FlashDPError(f"{self._labels[id(table)]}: max_norm {RENORM_LEAK}.")
+        self._handles = [
+            table.register_forward_pre_hook(functools.partial(_refuse_max_norm, label))
+            for label, table in labelled_tables(model)
+            if id(table) not in watched
+        ]
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def _refuse_max_norm(label: str, table: nn.Module, args: tuple) -> None:
+    if table.max_norm is not None:
+        raise FlashDPError(f"{label}: max_norm {RENORM_LEAK}.")

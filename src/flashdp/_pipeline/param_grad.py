@@ -136,8 +136,8 @@ class ParamNorm:
     strategy: str
     #: what the clipped sum needs; None unless asked for (ghost and flash take theirs from a second backward)
     plan: ClippedSumPlan | None
-    #: `[B]` the floor of what the norms' rounding can resolve (`resolved_norm_sq`), where they are sums of inner
-    #: products; a norm equal to it bounds the true one from above
+    #: `[B]` the floor of what the norms' rounding can resolve (`resolution_sq`), where one is set; a norm equal to
+    #: it bounds the true one from above
     resolution_sq: Tensor | None = None
 
     def split(self, parts: int) -> list[ParamNorm]:

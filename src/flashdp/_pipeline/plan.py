@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from flashdp._pipeline.params import ParamView, ParamViews, TrainableParam, local_param_views
 from flashdp.errors import FlashDPError
 from flashdp.rules import RuleMatch, find_rule
-from flashdp.rules.embedding import RENORM_LEAK
+from flashdp.rules.embedding import RENORM_LEAK, labelled_tables
 from flashdp.rules.generic import GENERIC
 from flashdp.rules.normalization import RUNNING_STATS_LEAK
 
@@ -295,11 +295,7 @@ def _refuse_running_statistics(model: nn.Module) -> None:
 def _refuse_renormalised_tables(model: nn.Module) -> None:
     """Embedding tables with `max_norm`, frozen ones too: the forward renormalises in place the rows a batch looks up,
     so the (released) table tells which tokens the private batches held."""
-    tables = [
-        f"'{p}' ({type(m).__name__})"
-        for p, m in model.named_modules()
-        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.max_norm is not None
-    ]
+    tables = [label for label, table in labelled_tables(model) if table.max_norm is not None]
     if tables:
         raise FlashDPError(f"{', '.join(tables)}: max_norm {RENORM_LEAK}.")
 

@@ -391,9 +391,10 @@ def _largest_counted_norm(counted: Sequence[Counted]) -> float:
 
 def _disagreement(counted: Counted, true: UnitGradient, i: int, rtol: float, scale: float) -> str | None:
     true_norm = true.norms[counted.key]
-    norm = math.sqrt(max(float(counted.norm_sq[i]), 0.0))
+    norm_sq = float(counted.norm_sq[i])
+    norm = math.sqrt(max(norm_sq, 0.0))
     floor = rtol * scale
-    at_floor = counted.resolution_sq is not None and float(counted.norm_sq[i]) <= float(counted.resolution_sq[i])
+    at_floor = counted.resolution_sq is not None and norm_sq <= float(counted.resolution_sq[i])
     if at_floor:  # (counted at the floor of what its rounding resolves, which bounds autograd's norm from above)
         agreed = true_norm <= norm * (1 + rtol) + floor
     else:

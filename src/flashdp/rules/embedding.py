@@ -96,6 +96,15 @@ RENORM_LEAK = (
 )
 
 
+def labelled_tables(model: nn.Module) -> list[tuple[str, nn.Embedding | nn.EmbeddingBag]]:
+    """The model's embedding tables, each with the label refusals name it by: `'path' (Type)`."""
+    return [
+        (f"'{path}' ({type(m).__name__})", m)
+        for path, m in model.named_modules()
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag)
+    ]
+
+
 def embedding_support(module: nn.Embedding) -> str | None:
     if module.max_norm is not None:
         return f"max_norm={module.max_norm} {RENORM_LEAK}"

@@ -94,8 +94,8 @@ def _each_sample(call: LayerCall, one_sample: Callable, inputs: tuple[Tensor, ..
         raise _vmap_error(call.label, vmap_error, error) from error
     warnings.warn(
         f"The generic rule re-runs {call.label} one sample at a time, B runs per backward: torch.func.vmap cannot "
-        f"run its forward ({type(vmap_error).__name__}: {str(vmap_error).splitlines()[0][:200]}). Register a rule "
-        "for its type with flashdp.register_rule(...) for speed.",
+        f"run its forward ({_said(vmap_error, 200)}). Register a rule for its type with flashdp.register_rule(...) "
+        "for speed.",
         FlashDPWarning,
         stacklevel=2,
     )
@@ -171,13 +171,16 @@ def _outputs(
     return tuple(out[slot] for slot in slots)
 
 
-def _vmap_error(label: str, vmap_error: Exception, run_error: Exception) -> FlashDPError:
-    def said(error: Exception) -> str:
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+def _said(error: Exception, limit: int) -> str:
+    """An error's type and the first `limit` characters of its first line, for a message that names it."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:limit]}"
 
+
+def _vmap_error(label: str, vmap_error: Exception, run_error: Exception) -> FlashDPError:
     return FlashDPError(
         f"The generic rule cannot compute per-sample gradients for {label}: torch.func.vmap cannot run its forward "
-        f"one sample at a time ({said(vmap_error)}), nor can plain autograd on one sample's rows ({said(run_error)}): "
+        f"one sample at a time ({_said(vmap_error, 300)}), nor can plain autograd on one sample's rows "
+        f"({_said(run_error, 300)}): "
         "this happens with inputs that fold the batch into another dim, or a cache the forward updates (train "
         "with use_cache=False). Freeze its parameters, or register a rule for its type with "
         "flashdp.register_rule(...)."

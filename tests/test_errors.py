@@ -127,6 +127,28 @@ def test_a_module_without_a_rule_gets_the_generic_one_exactly():
         assert engine.strategies["1.gain"] == "generic"
 
 
+class OnlyWholeBatches(nn.Module):
+    """Runs on a batch of 4 rows only, raising an error without a message otherwise (one sample's rows too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        if x.dim() != 2 or x.shape[0] != 4:
+            raise ValueError()
+        return x * self.gain
+
+
+def test_a_module_the_generic_rule_cannot_run_per_sample_is_refused_naming_errors_without_a_message():
+    """(Naming an error raised without a message read its first line: an IndexError from flashdp.)"""
+    model = nn.Sequential(nn.Linear(3, 3), OnlyWholeBatches())
+    with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=1.0) as engine:
+        loss = model(torch.randn(4, 3)).sum(1)
+        with pytest.raises(FlashDPError, match=r"cannot run its forward one sample at a time \(ValueError: \)"):
+            engine.backward(loss)
+
+
 def test_uncovered_parameter_may_be_frozen_instead():
     model = nn.Sequential(nn.Linear(3, 3), Scale())
     model[1].gain.requires_grad_(False)

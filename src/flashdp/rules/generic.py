@@ -173,7 +173,8 @@ def _outputs(
 
 def _said(error: Exception, limit: int) -> str:
     """An error's type and the first `limit` characters of its first line, for a message that names it."""
-    return f"{type(error).__name__}: {str(error).splitlines()[0][:limit]}"
+    first = (str(error).splitlines() or [""])[0]  # (an error raised without a message has no line)
+    return f"{type(error).__name__}: {first[:limit]}"
 
 
 def _vmap_error(label: str, vmap_error: Exception, run_error: Exception) -> FlashDPError:

@@ -132,6 +132,31 @@ def test_the_dense_per_sample_weight_gradients_equal_the_product_of_the_factors(
     torch.testing.assert_close(dense.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@given(
+    dims=st.sampled_from([1, 2, 3]),
+    config=st.one_of(conv_configs(), transposed_configs()),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    batch=st.integers(1, 3),
+    frames=st.integers(1, 2),
+)
+def test_the_parts_norm_is_the_sum_of_the_factors_rows_norms(dims, config, dtype, batch, frames):
+    """What the floor of a direct norm's rounding is taken from (`parts_norm`: per sample, the sum over positions,
+    groups and frames of `||left_t|| ||right_t||`) against the same sum over the unfolded factors, in float64."""
+    transposed = "output_padding" in config
+    layer = (TRANSPOSED if transposed else CONVS)[dims](**config).to(dtype)
+    size = ((4, 3, 3) if transposed else (7, 6, 5))[:dims]
+    x = torch.randn(batch * frames, config["in_channels"], *size, dtype=dtype)
+    grad_output = torch.randn_like(layer(x))
+    if frames > 1:  # k rows per sample
+        x, grad_output = x.unflatten(0, (batch, frames)), grad_output.unflatten(0, (batch, frames))
+    rule = conv.conv_transpose_grads if transposed else conv.conv_grads
+    deferred = rule(layer, (x,), grad_output, frozenset({"weight"}))["weight"]
+    factors = deferred.factors()
+    left, right = factors.left.double(), factors.right.double()
+    expected = (left.norm(dim=2) * right.norm(dim=2)).sum(1).view(batch, -1).sum(1)
+    torch.testing.assert_close(deferred.parts_norm(), expected, rtol=1e-6, atol=1e-9)
+
+
 class TwoConvs(nn.Module):
     """8 channels, 3x3: the direct norm is cheaper from about 8 output positions on, ghost below."""
 

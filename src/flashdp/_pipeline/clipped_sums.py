@@ -9,7 +9,9 @@ pass keeps for them. Three ways, one object each:
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import contextlib
+import functools
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -49,25 +51,34 @@ class BookKeeping:
 
     def add(self, loss: Tensor, norms: Norms, coef: Tensor, users: UserGroups | None) -> None:
         """`.grad += sum_i coef[l, i] g_i` for every reached parameter (l its clipping group); `coef` `[L, B]`
-        (with users: `[L, U]`, applied to the plans, which are per user)."""
+        (with users: `[L, U]`, applied to the plans, which are per user). `norms` handed over: emptied, each plan
+        released once its sum is taken."""
         with torch.no_grad(), kernels_backend(self._backend):
-            rows = coef.unbind()  # (one op for every group's row, and one cast per dtype: not per parameter)
-            broadcast = coef.stride(0) == 0  # one row for every group (flat clipping): cast once
-            cast_rows: dict[tuple[int, torch.dtype], Tensor] = {}
-            row_of: dict[Hashable, Tensor] = {}  # each parameter's coefficients, cast to its plan's dtype
-            ordered = sorted(norms, key=lambda pair: self._adapter.accumulation_order(pair[0]))
-            for param, norm in ordered:
-                key = (0 if broadcast else param.clip_group, norm.plan.dtype)
-                if key not in cast_rows:
-                    cast_rows[key] = cast(rows[key[0]], key[1])
-                row_of[param.key] = cast_rows[key]
-            summed = _small_rows_summed(ordered, row_of)
-            for param, norm in ordered:
-                clipped_sum = summed.pop(param.key, None)
-                if clipped_sum is None:
-                    clipped_sum = norm.plan.clipped_sum(row_of[param.key])
+            norms.sort(key=lambda pair: self._adapter.accumulation_order(pair[0]))
+            for param, clipped_sum in clipped_sums(norms, coef):
                 self._adapter.accumulate(param, clipped_sum)
             self._adapter.accumulation_done()
+
+
+def clipped_sums(norms: Norms, coef: Tensor) -> Iterator[tuple[TrainableParam, Tensor]]:
+    """Each parameter's clipped sum `sum_i coef[l, i] g_i` from its plan (l its clipping group), in the order of
+    `norms` (handed over: emptied as the sums are taken, so that each plan is released after its own); `coef`
+    `[L, B]`."""
+    rows = coef.unbind()  # (one op for every group's row, and one cast per dtype: not per parameter)
+    broadcast = coef.stride(0) == 0  # one row for every group (flat clipping): cast once
+    cast_rows: dict[tuple[int, torch.dtype], Tensor] = {}
+    row_of: dict[Hashable, Tensor] = {}  # each parameter's coefficients, cast to its plan's dtype
+    for param, norm in norms:
+        key = (0 if broadcast else param.clip_group, norm.plan.dtype)
+        if key not in cast_rows:
+            cast_rows[key] = cast(rows[key[0]], key[1])
+        row_of[param.key] = cast_rows[key]
+    summed = _small_rows_summed(norms, row_of)
+    norms.reverse()
+    while norms:
+        param, norm = norms.pop()
+        clipped_sum = summed.pop(param.key, None)
+        yield param, norm.plan.clipped_sum(row_of[param.key]) if clipped_sum is None else clipped_sum
 
 
 #: per sample, the most elements of a parameter whose kept rows are summed with others' in one product. The
@@ -105,18 +116,44 @@ def _small_rows_summed(norms: Norms, row_of: dict[Hashable, Tensor]) -> dict[Has
 
 
 class SecondBackward:
-    def __init__(self, adapter: Adapter, grad_writes: GradWrites) -> None:
-        self._adapter, self._grad_writes = adapter, grad_writes
+    def __init__(self, adapter: Adapter, grad_writes: GradWrites, settings: EngineSettings) -> None:
+        self._adapter, self._grad_writes, self._backend = adapter, grad_writes, settings.backend
         self.keeps = Keeps(graph=True, plans=False, for_overflow=_overflow_without_plans(adapter))
 
     def add(self, loss: Tensor, norms: Norms, coef: Tensor, users: UserGroups | None) -> None:
         """A backward of `sum_i coef[0, i] loss_i` (one clipping group; with users, row i takes its user's
-        coefficient): only the reached parameters' `.grad` may change."""
+        coefficient): only the reached parameters' `.grad` may change. A parameter whose per-sample gradients were
+        built whole (their plan kept, `ParamGradient`) gets its clipped sum from them: autograd's gradient for it
+        is replaced by that sum, so that what is added is what was measured. `norms` handed over: emptied."""
         counted = [param.param for param, _ in norms]
-        row_coef = coef[0] if users is None else users.per_row(coef[0])
-        scale = (row_coef * self._adapter.second_pass_scale).to(loss.dtype)
-        with self._grad_writes.refusing(allowed=counted):
-            (loss * scale).sum().backward()
+        scale = coef[:1] * self._adapter.second_pass_scale  # [1, B]
+        row_coef = scale[0] if users is None else users.per_row(scale[0])
+        built = [pair for pair in norms if pair[1].plan is not None]
+        norms.clear()
+        leaves = self._adapter.graph_leaves([param for param, _ in built])
+        with torch.no_grad(), kernels_backend(self._backend):
+            sums = [s for _, s in clipped_sums(built, scale.expand_as(coef))]
+        replacing = _gradients_replaced(list(zip(leaves, sums, strict=True)))
+        with self._grad_writes.refusing(allowed=counted), replacing:
+            (loss * row_coef.to(loss.dtype)).sum().backward()
+
+
+@contextlib.contextmanager
+def _gradients_replaced(replacements: list[tuple[Tensor, Tensor]]) -> Iterator[None]:
+    """Meanwhile, the gradient autograd accumulates into each leaf is the value paired with it (cast to the
+    gradient's dtype). A leaf autograd does not reach keeps its `.grad`: the loss does not depend on it (a
+    parameter of a call whose outputs the loss does not read, counted with the call), and its per-sample gradients,
+    computed from the output gradients the loss gives, are zeros."""
+
+    def replaced(value: Tensor, grad: Tensor) -> Tensor:
+        return cast(value, grad.dtype).view(grad.shape)
+
+    handles = [leaf.register_hook(functools.partial(replaced, value)) for leaf, value in replacements]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class NormsOnly:
@@ -134,5 +171,5 @@ def clipped_sums_for(
     """The way this engine's backward fills `.grad`: a second backward in ghost and flash where the wrapper allows
     one, the clipped-sum plans otherwise."""
     if settings.fills_grad_by_second_backward and adapter.allows_second_pass:
-        return SecondBackward(adapter, grad_writes)
+        return SecondBackward(adapter, grad_writes, settings)
     return BookKeeping(adapter, settings)

@@ -204,7 +204,8 @@ def _as_called_later(grad: PerSampleGrad, attributes: tuple) -> PerSampleGrad:
 
         return run
 
-    return replace(grad, factors=under(grad.factors), dense=under(grad.dense), weighted_sum=under(grad.weighted_sum))
+    routines = ("factors", "dense", "weighted_sum", "parts_norm")
+    return replace(grad, **{name: under(getattr(grad, name)) for name in routines})
 
 
 def no_trainable_layer_error() -> FlashDPError:

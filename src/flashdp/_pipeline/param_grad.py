@@ -134,7 +134,8 @@ class ParamNorm:
     norm_sq: Tensor
     #: how the norm was computed, e.g. "ghost", "direct+tokens", "per-sample"
     strategy: str
-    #: what the clipped sum needs; None unless asked for (ghost and flash take theirs from a second backward)
+    #: what the clipped sum needs; with factors, None unless asked for (ghost and flash take those sums from a
+    #: second backward); per-sample gradients built whole are always kept (`ParamGradient`)
     plan: ClippedSumPlan | None
     #: `[B]` the floor of what the norms' rounding can resolve (`resolution_sq`), where one is set; a norm equal to
     #: it bounds the true one from above
@@ -160,8 +161,12 @@ class ParamGradient:
 
     With `keep_for_sum`, the plan keeps only what the clipped sum needs: the per-sample gradients when the cost
     model materialised them (direct), else the factors. Without it (ghost, flash) the direct norm comes from a
-    kernel that never materialises them. With `users`, the rows' contributions are grouped by user before the
-    norms (`UserGroups`): the norms and the plan are then per user, and `batch_size` is the number of users.
+    kernel that never materialises them. Per-sample gradients built whole (by a rule, or for a tied parameter's
+    norm) are kept either way unless their parts' norm is known (`DeferredOuterGrad.parts_norm`, which floors
+    their norm, `resolution_sq`): a second backward sums their parts (positions, a user's rows) in another order
+    than the one measured, to another gradient where the parts cancel; their clipped sums are then taken from the
+    very rows measured. With `users`, the rows' contributions are grouped by user before the norms (`UserGroups`):
+    the norms and the plan are then per user, and `batch_size` is the number of users.
     """
 
     def __init__(
@@ -182,6 +187,8 @@ class ParamGradient:
         self.generic = False  # counted by the generic rule (shown as the strategy)
         self.dense_direct = False  # a rule's deferred factors were materialised by its cheaper routine
         self._bfloat16_layers: list[bool] = []  # per dense contribution: whether a bfloat16 layer's
+        #: per dense contribution: its parts' norm (`DeferredOuterGrad.parts_norm`), or None where not known
+        self._dense_parts: list[Callable[[], Tensor] | None] = []
         self._summed_by_layer: list[DeferredOuterGrad | None] = []  # per block: its call, if its layer sums it
         self._layout: tuple[int, tuple[int, int]] | None = None  # (groups, block shape) of factored contributions
         self._users = users
@@ -202,6 +209,7 @@ class ParamGradient:
         self.generic |= generic
         bfloat16 = False  # whether a dense contribution is a bfloat16 layer's (kept in bfloat16 by bk)
         deferred = grad if isinstance(grad, DeferredOuterGrad) else None
+        parts = None if deferred is None else deferred.parts_norm
         if deferred is not None:
             self._check_layout(deferred.conv_groups, deferred.block_shape, source)
             grad, bfloat16 = self._resolved(deferred)
@@ -219,6 +227,7 @@ class ParamGradient:
         grad = cast(grad, accumulation_dtype(grad))
         self.per_sample = grad if self.per_sample is None else self.per_sample + grad
         self._bfloat16_layers.append(bfloat16)
+        self._dense_parts.append(parts)
 
     def _resolved(self, grad: DeferredOuterGrad) -> tuple[Tensor | OuterGrad, bool]:
         """The form the norm needs: the factors for a ghost norm or a direct-norm kernel, else the dense gradients;
@@ -266,7 +275,8 @@ class ParamGradient:
         if self.per_sample is not None and not self.blocks:
             rows = self.per_sample
             bfloat16 = bool(self._bfloat16_layers) and all(self._bfloat16_layers)
-            return ("rows", bfloat16, self._per_sample_strategy(), self.shape, rows.dtype, rows.device)
+            strategy, floored = self._per_sample_strategy(), self._dense_parts_known
+            return ("rows", bfloat16, floored, strategy, self.shape, rows.dtype, rows.device)
         if self.per_sample is not None or len(self.blocks) != 1 or self._summed_by_layer[0] is not None:
             return None
         block = self.blocks[0]
@@ -291,10 +301,13 @@ class ParamGradient:
             self.per_sample = self.per_sample + sum(
                 outer_products.materialise(b, self.batch_size).view(self.per_sample.shape) for b in self.blocks
             )
-            self.blocks = []
+            self.blocks, self._dense_parts = [], [None]
         if self.per_sample is not None:
-            if not keep_for_sum:
-                return ParamNorm(sum_of_squares(self.per_sample), self._per_sample_strategy(), None)
+            parts = None if keep_for_sum else self._dense_parts_norm()
+            if parts is not None:  # (else kept with or without `keep_for_sum`: see the class docstring)
+                norm_sq = sum_of_squares(self.per_sample)
+                floor = resolution_sq(parts, norm_sq.dtype, squared=False)
+                return ParamNorm(torch.maximum(norm_sq, floor), self._per_sample_strategy(), None, floor)
             kept, norm_sq = self.per_sample, None
             if self._bfloat16_layers and all(self._bfloat16_layers):
                 kept, norm_sq = _kept_in_bfloat16(kept)
@@ -310,14 +323,26 @@ class ParamGradient:
             return
         if self.per_sample is not None:
             self.per_sample = users.sum_rows(self.per_sample)
+            self._dense_parts = [None if f is None else _by_user(users, f) for f in self._dense_parts]
         self.blocks = [users.regroup(b) for b in self.blocks]
         self.batch_size = users.count
+
+    @property
+    def _dense_parts_known(self) -> bool:
+        return bool(self._dense_parts) and None not in self._dense_parts
+
+    def _dense_parts_norm(self) -> Tensor | None:
+        """`[B]` the parts' norm of the dense contributions together, where every one's is known."""
+        if not self._dense_parts_known:
+            return None
+        return functools.reduce(torch.add, (parts() for parts in self._dense_parts))
 
     def norm_sq_float64(self) -> Tensor:
         """The `[B]` squared norms recomputed in float64 (where float32 overflowed: a per-sample norm above about
         1.8e19), from the factors where there are any, never from a float32 product of them."""
         wide = ParamGradient(self.name, self.shape, self.batch_size, self.strategy_choice)
         wide.per_sample = None if self.per_sample is None else self.per_sample.double()
+        wide._dense_parts = self._dense_parts
         wide.blocks = [_float64(b) for b in self.blocks]
         return wide.norm_sq(keep_for_sum=False).norm_sq
 
@@ -399,6 +424,11 @@ def parts_norm(block: OuterGrad, dtype: torch.dtype) -> Tensor:
     return (torch.linalg.vector_norm(block.left, dim=2, dtype=dtype) * right).sum(1)
 
 
+def _by_user(users: UserGroups, parts: Callable[[], Tensor]) -> Callable[[], Tensor]:
+    """`parts` `[B]` summed by user: `[U]`."""
+    return lambda: users.sum_rows(parts())
+
+
 def resolution_sq(parts: Tensor, dtype: torch.dtype, squared: bool) -> Tensor:
     """`[N]` the floor of squared norms: what their rounding can resolve, S being `parts`, the sum of the parts'
     norms. Where the parts cancel (a user's rows with opposite gradients, positions of one sample), the computed
@@ -425,11 +455,19 @@ def norms_together(gradients: Sequence[ParamGradient], keep_for_sum: bool) -> li
     if first.per_sample is not None:
         stacked.per_sample = torch.cat([g.per_sample for g in gradients])
         stacked._bfloat16_layers = first._bfloat16_layers
+        stacked._dense_parts = [_stacked_parts(gradients)]
     else:
         blocks = [g.blocks[0] for g in gradients]
         stacked.blocks = [OuterGrad(torch.cat([b.left for b in blocks]), torch.cat([b.right for b in blocks]))]
         stacked._summed_by_layer = [None]
     return stacked.norm_sq(keep_for_sum).split(len(gradients))
+
+
+def _stacked_parts(gradients: Sequence[ParamGradient]) -> Callable[[], Tensor] | None:
+    """The parts' norms of gradients whose rows are stacked, stacked alike; None where one's is not known."""
+    if not all(g._dense_parts_known for g in gradients):
+        return None
+    return lambda: torch.cat([g._dense_parts_norm() for g in gradients])
 
 
 def _parts(rows: Tensor, parts: int) -> tuple[Tensor, ...]:

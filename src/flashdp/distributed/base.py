@@ -56,6 +56,10 @@ class Adapter:
         """Loss factor of the ghost second pass, so that the wrapper's gradient reduction yields the SUM."""
         return 1.0
 
+    def graph_leaves(self, params: list[TrainableParam]) -> list[Tensor]:
+        """The leaves a backward over the forward's graph accumulates these parameters' gradients into."""
+        return [p.param for p in params]
+
     def accumulate(self, param: TrainableParam, clipped_sum: Tensor) -> None:
         """`grad += clipped_sum` (this rank's samples, full parameter shape) where the optimizer will read it."""
         add_to_grad(param.param, clipped_sum)

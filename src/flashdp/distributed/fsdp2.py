@@ -85,6 +85,16 @@ class FSDP2Adapter(ShardedAdapter):
                 if unsharded is not None:
                     yield names.get(id(param.sharded_param), param._module_info.param_name), unsharded
 
+    def graph_leaves(self, params: list[TrainableParam]) -> list[Tensor]:
+        """The units' unsharded parameters, which the forward used in place of the sharded ones."""
+        unsharded = {
+            id(fsdp_param.sharded_param): fsdp_param.unsharded_param
+            for group in map(_param_group, self.fsdp_modules)
+            if group is not None
+            for fsdp_param in group.fsdp_params
+        }
+        return [unsharded[id(p.param)] for p in params]
+
     @contextlib.contextmanager
     def norm_pass(self) -> Iterator[None]:
         for module in self.fsdp_modules:

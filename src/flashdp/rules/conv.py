@@ -50,7 +50,10 @@ def conv_grads(module: Conv, inputs: tuple, grad_output: Tensor, trainable: froz
             windows = _unfold(_padded(module, _rows(module, x)), module, module.groups)
             return _per_sample_blocks(_grouped(_rows(module, grad_output), windows, module.groups), x.shape[0])
 
-        out["weight"] = _deferred(module, x, grad_output, factors)
+        def parts_norm() -> Tensor:
+            return _parts_norm(module, _rows(module, grad_output), _padded(module, _rows(module, x)), x.shape[0])
+
+        out["weight"] = _deferred(module, x, grad_output, factors, parts_norm)
     return out
 
 
@@ -74,12 +77,22 @@ def conv_transpose_grads(
             windows = _unfold(F.pad(rows, padding) if any(padding) else rows, module, module.groups, spatial)
             return _per_sample_blocks(_grouped(_rows(module, x), windows, module.groups), x.shape[0])
 
-        out["weight"] = _deferred(module, x, grad_output, factors)
+        def parts_norm() -> Tensor:
+            rows = _rows(module, grad_output)
+            spatial = x.shape[-len(module.kernel_size) :]
+            padded = F.pad(rows, padding) if any(padding) else rows
+            return _parts_norm(module, _rows(module, x), padded, x.shape[0], spatial)
+
+        out["weight"] = _deferred(module, x, grad_output, factors, parts_norm)
     return out
 
 
 def _deferred(
-    module: Conv | ConvTranspose, x: Tensor, grad_output: Tensor, factors: Callable[[], OuterGrad]
+    module: Conv | ConvTranspose,
+    x: Tensor,
+    grad_output: Tensor,
+    factors: Callable[[], OuterGrad],
+    parts_norm: Callable[[], Tensor],
 ) -> DeferredOuterGrad:
     """The weight's per-sample gradient as its factors (`factors()`: one `[o/g, c/g * k]` block per group and
     sample, over the positions of the factor not unfolded), or materialised by `_per_sample_weight_grads`."""
@@ -96,7 +109,22 @@ def _deferred(
         weighted_sum=lambda w: _weighted_weight_grad(
             module, _rows(module, x), _rows(module, grad_output), w.repeat_interleave(rows)
         ),
+        parts_norm=parts_norm,
     )
+
+
+def _parts_norm(
+    module: Conv | ConvTranspose, whole: Tensor, unfolded: Tensor, batch: int, positions: Sequence[int] | None = None
+) -> Tensor:
+    """`[B]` float64: the sum over rows, groups and positions t of `||whole_t|| ||window_t||`, the norms of the two
+    factors' rows (`DeferredOuterGrad.parts_norm`) without unfolding them: `whole` `[N, ch, *P]` read at each
+    position, the windows of `unfolded` `[N, ch', *S]` (padded as the convolution sees it), whose squared norms are
+    the windows of its squares summed over each group's channels (a window of one channel per group)."""
+    groups, wide = module.groups, torch.float64  # (no overflow of the squares; a few elementwise ops)
+    at_positions = torch.linalg.vector_norm(whole.flatten(2).unflatten(1, (groups, -1)), dim=2, dtype=wide)
+    squares = unfolded.to(wide).square().unflatten(1, (groups, -1)).sum(2)  # [N, g, *S]
+    windows = _unfold(squares, module, groups, positions).sum(-1).sqrt()  # [N g, P]
+    return (at_positions.reshape(windows.shape) * windows).reshape(batch, -1).sum(1)
 
 
 def _rows(module: Conv | ConvTranspose, x: Tensor) -> Tensor:

@@ -435,8 +435,8 @@ def test_micro_batches_that_keep_users_whole_add_up_to_the_whole_batch(ids, size
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_user_whose_rows_cancel_gets_a_zero_norm_not_nan(mode, dtype):
     """The same example twice with opposite losses: the user's gradient is 0. Ghost norms are sums of inner
-    products, which round a little below 0 there; the norm is at most the floor of what rounding can resolve (about
-    1e-2 of the rows' norms in float32, 5e-7 in float64; not NaN in every .grad), the clipped sum exact, and the
+    products, which round a little below 0 there; the norm is at most its bound through rounding (about 1e-3 of
+    the rows' norms in float32, 5e-7 in float64; not NaN in every .grad), the clipped sum exact, and the
     self-check does not mistake both sides' rounding of 0 for a disagreement."""
     model = TwiceAndGeneric().to(dtype)
     x = _seq(3).to(dtype)
@@ -539,7 +539,7 @@ def test_the_user_sampler_refuses_ids_that_are_not_integers():
 def test_a_user_whose_huge_rows_cancel_to_more_than_c_adds_at_most_c(mode, dtype, parts):
     """(A breaker's finding: two rows of one user with gradients of norm `parts` that cancel to a norm of 3 to 300
     C: the float32 ghost norm rounded to about 0, and the user was added unclipped, 3 to 300 C.) The norm used for
-    clipping is floored at what its rounding can resolve: the user adds at most C, whatever cancels."""
+    clipping is bounded through rounding (`rounding_bound_sq`): the user adds at most C, whatever cancels."""
     generator = torch.Generator().manual_seed(0)
     model = nn.Linear(16, 16, bias=False).to(dtype)
     x = torch.randn(1, 16, generator=generator, dtype=dtype).repeat(2, 1)

@@ -86,11 +86,11 @@ class DeferredOuterGrad:
     weighted_sum: optional, `sum_b w_b g_b` for row weights `w` `[B]`, shaped like the parameter, by the layer's
         own weight-gradient routine; rows of weight 0 add exactly 0 (also where their inputs are not finite).
         Book-keeping's clipped sum of a ghost-norm layer then runs it and need not keep the factors.
-    parts_norm: optional, `[B]` the sum over positions and groups of each position's gradient norm
-        `||left_t|| ||right_t||`, without the factors: what `dense` sums, whatever cancels in it, so that its norm
-        can be floored at what its rounding resolves (`resolution_sq`). Without it, ghost and flash keep `dense`'s
-        gradients for their clipped sums (a second backward, summing the same parts in another order, could add a
-        gradient its measured norm does not bound).
+    parts_norm: optional, `[B]` in the dtype it is given: the sum over positions and groups of each position's
+        gradient norm `||left_t|| ||right_t||`, without the factors: what `dense` sums, whatever cancels in it, so
+        that its norm can be bounded through their rounding (`rounding_bound_sq`). Without it, ghost and flash keep
+        `dense`'s gradients for their clipped sums (a second backward, summing the same parts in another order,
+        could add a gradient its measured norm does not bound).
     """
 
     operands: tuple[Tensor, Tensor]
@@ -100,7 +100,7 @@ class DeferredOuterGrad:
     factors: Callable[[], OuterGrad]
     dense: Callable[[], Tensor]
     weighted_sum: Callable[[Tensor], Tensor] | None = None
-    parts_norm: Callable[[], Tensor] | None = None
+    parts_norm: Callable[[torch.dtype], Tensor] | None = None
 
 
 PerSampleGrad = Tensor | OuterGrad | DeferredOuterGrad

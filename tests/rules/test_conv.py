@@ -154,7 +154,7 @@ def test_the_parts_norm_is_the_sum_of_the_factors_rows_norms(dims, config, dtype
     factors = deferred.factors()
     left, right = factors.left.double(), factors.right.double()
     expected = (left.norm(dim=2) * right.norm(dim=2)).sum(1).view(batch, -1).sum(1)
-    torch.testing.assert_close(deferred.parts_norm(), expected, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(deferred.parts_norm(torch.float64), expected, rtol=1e-6, atol=1e-9)
 
 
 class TwoConvs(nn.Module):

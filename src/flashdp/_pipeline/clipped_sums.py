@@ -133,27 +133,29 @@ class SecondBackward:
         leaves = self._adapter.graph_leaves([param for param, _ in built])
         with torch.no_grad(), kernels_backend(self._backend):
             sums = [s for _, s in clipped_sums(built, scale.expand_as(coef))]
-        replacing = _gradients_replaced(list(zip(leaves, sums, strict=True)))
+            replacements = [(leaf, cast(s, leaf.dtype).view(leaf.shape)) for leaf, s in zip(leaves, sums, strict=True)]
+        replacing = _gradients_replaced(replacements)
         with self._grad_writes.refusing(allowed=counted), replacing:
             (loss * row_coef.to(loss.dtype)).sum().backward()
 
 
 @contextlib.contextmanager
 def _gradients_replaced(replacements: list[tuple[Tensor, Tensor]]) -> Iterator[None]:
-    """Meanwhile, the gradient autograd accumulates into each leaf is the value paired with it (cast to the
-    gradient's dtype). A leaf autograd does not reach keeps its `.grad`: the loss does not depend on it (a
+    """Meanwhile, the gradient autograd accumulates into each leaf is the value paired with it (the leaf's dtype
+    and shape). A leaf autograd does not reach keeps its `.grad`: the loss does not depend on it (a
     parameter of a call whose outputs the loss does not read, counted with the call), and its per-sample gradients,
     computed from the output gradients the loss gives, are zeros."""
 
-    def replaced(value: Tensor, grad: Tensor) -> Tensor:
-        return cast(value, grad.dtype).view(grad.shape)
-
-    handles = [leaf.register_hook(functools.partial(replaced, value)) for leaf, value in replacements]
+    handles = [leaf.register_hook(functools.partial(_replaced, value)) for leaf, value in replacements]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _replaced(value: Tensor, grad: Tensor) -> Tensor:
+    return value
 
 
 class NormsOnly:

@@ -452,7 +452,7 @@ def _finish(
         skipped = nonfinite.nonfinite_samples(policy, clip_norms_sq, norms, group, finite, graph.users)
         if unit_gradients is not None:
             rtol = self_check.tolerance(done.dtypes, computed_in_tf32(loss))
-            counted = [self_check.Counted(p.name, p.key, n.norm_sq, n.plan, n.resolution_sq) for p, n in norms]
+            counted = [self_check.Counted(p.name, p.key, n.norm_sq, n.plan, n.bound_sq) for p, n in norms]
             self_check.check_per_sample(unit_gradients, counted, rtol)
     return Measurement(norms, clip_norms_sq, skipped)
 
@@ -508,5 +508,5 @@ def _unit(users: UserGroups | None, index: int) -> self_check.Unit:
 
 def _group_norms_sq(norms: Norms, groups: int, batch: int) -> Tensor:
     """`[L, B]` float64 squared norms of the L clipping groups."""
-    norms_sq = [norm.norm_sq for _, norm in norms]
+    norms_sq = [norm.clip_norm_sq for _, norm in norms]
     return clipping.group_norms_sq(norms_sq, tuple(param.clip_group for param, _ in norms), groups, batch)

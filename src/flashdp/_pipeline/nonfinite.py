@@ -42,7 +42,8 @@ def _widened(
     norm: ParamNorm, param: TrainableParam, gradients: Mapping[Hashable, ParamGradient], batch: int
 ) -> ParamNorm:
     gradient = gradients.get(param.key) or ParamGradient.from_plan(param.name, norm.plan, batch)
-    return ParamNorm(gradient.norm_sq_float64(), norm.strategy, norm.plan)
+    wide = gradient.norm_float64()
+    return ParamNorm(wide.norm_sq, norm.strategy, norm.plan, wide.bound_sq)
 
 
 def nonfinite_samples(

@@ -137,23 +137,30 @@ class ParamNorm:
     #: what the clipped sum needs; with factors, None unless asked for (ghost and flash take those sums from a
     #: second backward); per-sample gradients built whole are always kept (`ParamGradient`)
     plan: ClippedSumPlan | None
-    #: `[B]` the floor of what the norms' rounding can resolve (`resolution_sq`), where one is set; a norm equal to
-    #: it bounds the true one from above
-    resolution_sq: Tensor | None = None
+    #: `[B]` float64, where the gradient added is not the one measured (its parts summed again in another order,
+    #: by a GEMM or a second backward) or the norm is a sum of inner products: the square of a bound on the norms of
+    #: both the true gradient and the one added, through the rounding of parts that cancel (`rounding_bound_sq`);
+    #: clipping uses it. None where the gradient added is the one measured.
+    bound_sq: Tensor | None = None
+
+    @property
+    def clip_norm_sq(self) -> Tensor:
+        """`[B]` what clipping takes as the squared norms."""
+        return self.norm_sq if self.bound_sq is None else self.bound_sq
 
     def split(self, parts: int) -> list[ParamNorm]:
         """The norms and plans of `parts` parameters whose rows were stacked in this one (`norms_together`)."""
         plans = [None] * parts if self.plan is None else self.plan.split(parts)
-        floors = [None] * parts if self.resolution_sq is None else _parts(self.resolution_sq, parts)
+        bounds = [None] * parts if self.bound_sq is None else _parts(self.bound_sq, parts)
         return [
-            ParamNorm(norm_sq, self.strategy, plan, floor)
-            for norm_sq, plan, floor in zip(_parts(self.norm_sq, parts), plans, floors, strict=True)
+            ParamNorm(norm_sq, self.strategy, plan, bound)
+            for norm_sq, plan, bound in zip(_parts(self.norm_sq, parts), plans, bounds, strict=True)
         ]
 
     def dropping(self, keep: Tensor) -> ParamNorm:
         """Without the samples where `keep` `[B]` is False in the clipped sum (see `ClippedSumPlan.dropping`)."""
         plan = None if self.plan is None else self.plan.dropping(keep)
-        return ParamNorm(self.norm_sq, self.strategy, plan, self.resolution_sq)
+        return dataclasses.replace(self, plan=plan)
 
 
 class ParamGradient:
@@ -162,8 +169,8 @@ class ParamGradient:
     With `keep_for_sum`, the plan keeps only what the clipped sum needs: the per-sample gradients when the cost
     model materialised them (direct), else the factors. Without it (ghost, flash) the direct norm comes from a
     kernel that never materialises them. Per-sample gradients built whole (by a rule, or for a tied parameter's
-    norm) are kept either way unless their parts' norm is known (`DeferredOuterGrad.parts_norm`, which floors
-    their norm, `resolution_sq`): a second backward sums their parts (positions, a user's rows) in another order
+    norm) are kept either way unless their parts' norm is known (`DeferredOuterGrad.parts_norm`, which bounds
+    their rounding, `rounding_bound_sq`): a second backward sums their parts (positions, a user's rows) in another order
     than the one measured, to another gradient where the parts cancel; their clipped sums are then taken from the
     very rows measured. With `users`, the rows' contributions are grouped by user before the norms (`UserGroups`):
     the norms and the plan are then per user, and `batch_size` is the number of users.
@@ -187,8 +194,11 @@ class ParamGradient:
         self.generic = False  # counted by the generic rule (shown as the strategy)
         self.dense_direct = False  # a rule's deferred factors were materialised by its cheaper routine
         self._bfloat16_layers: list[bool] = []  # per dense contribution: whether a bfloat16 layer's
-        #: per dense contribution: its parts' norm (`DeferredOuterGrad.parts_norm`), or None where not known
-        self._dense_parts: list[Callable[[], Tensor] | None] = []
+        #: per dense contribution: its parts' norm and their number (`DeferredOuterGrad.parts_norm`, `positions`),
+        #: or None where not known
+        self._dense_parts: list[tuple[Callable[[torch.dtype], Tensor], int] | None] = []
+        #: the dtype of the sums the bounds of rounding are of (the contributions', unless set: `norm_float64`)
+        self._rounding_dtype: torch.dtype | None = None
         self._summed_by_layer: list[DeferredOuterGrad | None] = []  # per block: its call, if its layer sums it
         self._layout: tuple[int, tuple[int, int]] | None = None  # (groups, block shape) of factored contributions
         self._users = users
@@ -209,7 +219,7 @@ class ParamGradient:
         self.generic |= generic
         bfloat16 = False  # whether a dense contribution is a bfloat16 layer's (kept in bfloat16 by bk)
         deferred = grad if isinstance(grad, DeferredOuterGrad) else None
-        parts = None if deferred is None else deferred.parts_norm
+        parts = None if deferred is None or deferred.parts_norm is None else (deferred.parts_norm, deferred.positions)
         if deferred is not None:
             self._check_layout(deferred.conv_groups, deferred.block_shape, source)
             grad, bfloat16 = self._resolved(deferred)
@@ -306,8 +316,9 @@ class ParamGradient:
             parts = None if keep_for_sum else self._dense_parts_norm()
             if parts is not None:  # (else kept with or without `keep_for_sum`: see the class docstring)
                 norm_sq = sum_of_squares(self.per_sample)
-                floor = resolution_sq(parts, norm_sq.dtype, squared=False)
-                return ParamNorm(torch.maximum(norm_sq, floor), self._per_sample_strategy(), None, floor)
+                dtype = self._rounding_dtype or self.per_sample.dtype
+                bound = rounding_bound_sq(norm_sq, *parts, dtype, squared=False)
+                return ParamNorm(norm_sq, self._per_sample_strategy(), None, bound)
             kept, norm_sq = self.per_sample, None
             if self._bfloat16_layers and all(self._bfloat16_layers):
                 kept, norm_sq = _kept_in_bfloat16(kept)
@@ -323,7 +334,7 @@ class ParamGradient:
             return
         if self.per_sample is not None:
             self.per_sample = users.sum_rows(self.per_sample)
-            self._dense_parts = [None if f is None else _by_user(users, f) for f in self._dense_parts]
+            self._dense_parts = [None]  # (users' rows: kept, their clipped sums the rows measured)
         self.blocks = [users.regroup(b) for b in self.blocks]
         self.batch_size = users.count
 
@@ -331,20 +342,28 @@ class ParamGradient:
     def _dense_parts_known(self) -> bool:
         return bool(self._dense_parts) and None not in self._dense_parts
 
-    def _dense_parts_norm(self) -> Tensor | None:
-        """`[B]` the parts' norm of the dense contributions together, where every one's is known."""
+    def _dense_parts_norm(self) -> tuple[Tensor, int] | None:
+        """`[B]` the parts' norm of the dense contributions together and the most parts one sums, where every
+        one's is known."""
         if not self._dense_parts_known:
             return None
-        return functools.reduce(torch.add, (parts() for parts in self._dense_parts))
+        # (in the rows' dtype: where it overflows, so does the bound, and the norms are taken again in float64)
+        return self._dense_parts_in(self.per_sample.dtype), max(positions for _, positions in self._dense_parts)
 
-    def norm_sq_float64(self) -> Tensor:
+    def _dense_parts_in(self, dtype: torch.dtype) -> Tensor:
+        return functools.reduce(torch.add, (parts(dtype) for parts, _ in self._dense_parts))
+
+    def norm_float64(self) -> ParamNorm:
         """The `[B]` squared norms recomputed in float64 (where float32 overflowed: a per-sample norm above about
-        1.8e19), from the factors where there are any, never from a float32 product of them."""
+        1.8e19), from the factors where there are any, never from a float32 product of them; their bounds of
+        rounding are those of the sums in the contributions' own dtype (the gradient added is summed in it)."""
         wide = ParamGradient(self.name, self.shape, self.batch_size, self.strategy_choice)
         wide.per_sample = None if self.per_sample is None else self.per_sample.double()
         wide._dense_parts = self._dense_parts
+        wide._rounding_dtype = accumulation_dtype(*([self.per_sample] if self.per_sample is not None else []),
+                                                  *(b.right for b in self.blocks))  # fmt: skip
         wide.blocks = [_float64(b) for b in self.blocks]
-        return wide.norm_sq(keep_for_sum=False).norm_sq
+        return wide.norm_sq(keep_for_sum=False)
 
     def _blocks_norm_sq(self, keep_for_sum: bool) -> ParamNorm:
         dtype = accumulation_dtype(*(b.right for b in self.blocks))
@@ -383,17 +402,18 @@ class ParamGradient:
             if materialised is not None:
                 materialised = materialised.view(self.batch_size, self.shape.numel())  # rows b * g + j, stacked
             plan = self._plan(materialised, factors, token_block)
-        total, floor = functools.reduce(torch.add, terms), None
+        total, bound = functools.reduce(torch.add, terms), None
         squared = "ghost" in strategies or len(terms) > 1  # (sums of inner products: a squared norm's rounding)
         if squared or materialised is None:  # (a materialised gradient, measured and added as it is, needs none)
+            # (in the factors' dtype: where it overflows, so does the bound, and the norms are taken again in float64)
             parts_sum = functools.reduce(torch.add, [parts_norm(b, dtype) for b in parts])
-            floor = resolution_sq(parts_sum, total.dtype, squared)
-            total = torch.maximum(total, floor)  # (NaN and inf stay as they are)
+            positions = max(b.right.shape[1] for b in parts)
+            bound = rounding_bound_sq(total, parts_sum, positions, self._rounding_dtype or dtype, squared)
         groups = self.blocks[0].conv_groups
         if groups > 1:
             total = total.view(self.batch_size, groups).sum(1)
-            floor = None if floor is None else floor.view(self.batch_size, groups).sum(1)
-        return ParamNorm(total, "+".join(strategies), plan, floor)
+            bound = None if bound is None else bound.view(self.batch_size, groups).sum(1)
+        return ParamNorm(total, "+".join(strategies), plan, bound)
 
     def _plan(self, materialised: Tensor | None, factors: OuterGrad | None, tokens: OuterGrad | None) -> ClippedSumPlan:
         """The clipped sum's plan; factors every call of which its layer sums from row weights are not kept (rows
@@ -424,23 +444,29 @@ def parts_norm(block: OuterGrad, dtype: torch.dtype) -> Tensor:
     return (torch.linalg.vector_norm(block.left, dim=2, dtype=dtype) * right).sum(1)
 
 
-def _by_user(users: UserGroups, parts: Callable[[], Tensor]) -> Callable[[], Tensor]:
-    """`parts` `[B]` summed by user: `[U]`."""
-    return lambda: users.sum_rows(parts())
+#: the squared norm computed as a sum of inner products (ghost norms, cross terms) is taken to be off by at most this
+#: many eps S^2: measured near 1e-8 S^2 (about eps S^2) in float32, a worst case not proven (`rounding_bound_sq`)
+INNER_PRODUCTS_ROUNDING = 2.0**5
 
 
-def resolution_sq(parts: Tensor, dtype: torch.dtype, squared: bool) -> Tensor:
-    """`[N]` the floor of squared norms: what their rounding can resolve, S being `parts`, the sum of the parts'
-    norms. Where the parts cancel (a user's rows with opposite gradients, positions of one sample), the computed
-    norm can round to about 0 while the true one exceeds C, and the unit would be added unclipped; and ghost's
-    second backward sums the same parts in another order, to another rounding of the same small gradient. The norm
-    is taken as at least the floor, which bounds both from above. `squared`: the norm was computed as a sum of inner
-    products (ghost norms, cross terms), whose rounding is of order `eps S^2` (measured near 1e-8 S^2 in float32):
-    the floor is `2^10 eps S^2`; else the gradient was summed first (direct norms), of order `eps S`: `(2^10 eps
-    S)^2`. Where the parts do not cancel (a squared norm of order S^2 / T) the floor is far below the norm."""
-    resolution = 2.0**10 * torch.finfo(dtype).eps
-    parts = parts.to(dtype)
-    return resolution * parts.square() if squared else (resolution * parts).square()
+def rounding_bound_sq(norm_sq: Tensor, parts: Tensor, positions: int, dtype: torch.dtype, squared: bool) -> Tensor:
+    """`[N]` float64: the square of a bound on the norms of the true gradient and of the one added to `.grad`, from
+    the measured `norm_sq`, S = `parts` (the sum of the parts' own norms) and T = `positions` (the parts one sum
+    adds), where the gradient added sums the parts again in another order (bk's GEMM of the factors, ghost's second
+    backward). Where the parts cancel (a user's rows with opposite gradients, positions of one sample) each sum
+    rounds to another gradient: a sum of T parts in any order is off by at most `T eps S / 2` (to first order, the
+    products' rounding included), which can exceed C however small the measured norm; clipped by the bound, a unit
+    adds at most C. Twice that is added per sum, for safety. `squared`: the norm is a sum of inner products, whose
+    own error is taken as `2^5 eps S^2` (`INNER_PRODUCTS_ROUNDING`), added under the root; else the measured
+    gradient is a sum of the parts too, off by as much as the added one. Where the parts do not cancel the bound is
+    close to the norm: S is of order sqrt(T) times it, and the bound about `T^1.5 eps` above it in relative terms
+    (float32, T = 1024: 0.8%). NaN and inf stay as they are."""
+    eps = torch.finfo(dtype).eps
+    once = positions * eps * parts.double()
+    measured = norm_sq.double().clamp(min=0)
+    if squared:
+        return ((measured + INNER_PRODUCTS_ROUNDING * eps * parts.double().square()).sqrt() + once).square()
+    return (measured.sqrt() + 2 * once).square()
 
 
 def norms_together(gradients: Sequence[ParamGradient], keep_for_sum: bool) -> list[ParamNorm]:
@@ -463,11 +489,13 @@ def norms_together(gradients: Sequence[ParamGradient], keep_for_sum: bool) -> li
     return stacked.norm_sq(keep_for_sum).split(len(gradients))
 
 
-def _stacked_parts(gradients: Sequence[ParamGradient]) -> Callable[[], Tensor] | None:
-    """The parts' norms of gradients whose rows are stacked, stacked alike; None where one's is not known."""
+def _stacked_parts(gradients: Sequence[ParamGradient]) -> tuple[Callable[[torch.dtype], Tensor], int] | None:
+    """The parts' norms of gradients whose rows are stacked, stacked alike, and the most parts of one sum; None
+    where one's is not known."""
     if not all(g._dense_parts_known for g in gradients):
         return None
-    return lambda: torch.cat([g._dense_parts_norm() for g in gradients])
+    positions = max(positions for g in gradients for _, positions in g._dense_parts)
+    return lambda dtype: torch.cat([g._dense_parts_in(dtype) for g in gradients]), positions
 
 
 def _parts(rows: Tensor, parts: int) -> tuple[Tensor, ...]:

@@ -145,7 +145,6 @@ def _gradients_replaced(replacements: list[tuple[Tensor, Tensor]]) -> Iterator[N
     and shape). A leaf autograd does not reach keeps its `.grad`: the loss does not depend on it (a
     parameter of a call whose outputs the loss does not read, counted with the call), and its per-sample gradients,
     computed from the output gradients the loss gives, are zeros."""
-
     handles = [leaf.register_hook(functools.partial(_replaced, value)) for leaf, value in replacements]
     try:
         yield

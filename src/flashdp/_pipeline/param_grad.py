@@ -360,8 +360,8 @@ class ParamGradient:
         wide = ParamGradient(self.name, self.shape, self.batch_size, self.strategy_choice)
         wide.per_sample = None if self.per_sample is None else self.per_sample.double()
         wide._dense_parts = self._dense_parts
-        wide._rounding_dtype = accumulation_dtype(*([self.per_sample] if self.per_sample is not None else []),
-                                                  *(b.right for b in self.blocks))  # fmt: skip
+        contributions = [self.per_sample] if self.per_sample is not None else []
+        wide._rounding_dtype = accumulation_dtype(*contributions, *(b.right for b in self.blocks))
         wide.blocks = [_float64(b) for b in self.blocks]
         return wide.norm_sq(keep_for_sum=False)
 

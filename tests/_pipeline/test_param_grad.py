@@ -178,3 +178,28 @@ def test_only_gradients_of_one_small_simple_form_and_shape_share_a_stacking_key(
     assert gradient((3, 4), tokens).stacking_key() is None
     assert gradient((3, 4), block(4096, 3, 4)).stacking_key() is None  # large
     assert gradient((3, 4), torch.randn(0, 3, 4), batch=0).stacking_key() is None
+
+
+@given(calls=st.integers(1, 6), positions=st.integers(1, 5), stacked=st.booleans())
+def test_a_bound_through_rounding_covers_every_part_of_every_call(calls, positions, stacked):
+    """The gradient added sums every part of every call (a layer called K times: autograd adds the calls'
+    gradients), in whatever order: each of the two sums (measured, added) may be off by `(n - 1) eps / 2` times S,
+    n the parts, S their norms' sum (first order), so the bound's margin over the measured norm must be at least
+    `(n - 1) eps S`. (A breaker's convolution called 512 times, one position each, added 1.8 C where the bound
+    counted the parts of one call.)"""
+    layer = torch.nn.Conv1d(2, 2, 1, bias=False)
+    gradient = ParamGradient("weight", layer.weight.shape, 3, "direct")
+    expected_parts = torch.zeros(3, dtype=torch.float64)
+    for _ in range(calls):
+        x, grad_output = torch.randn(3, 2, positions), torch.randn(3, 2, positions)
+        gradient.add(conv.conv_grads(layer, (x,), grad_output, frozenset({"weight"}))["weight"], "test")
+        expected_parts += (x.double().norm(dim=1) * grad_output.double().norm(dim=1)).sum(1)
+    if stacked:
+        other = ParamGradient("other", layer.weight.shape, 3, "direct")
+        other.add(conv.conv_grads(layer, (x,), grad_output, frozenset({"weight"}))["weight"], "test")
+        norm = norms_together([gradient, other], keep_for_sum=False)[0]
+    else:
+        norm = gradient.norm_sq(keep_for_sum=False)
+    margin = norm.bound_sq.sqrt() - norm.norm_sq.double().sqrt()
+    parts = calls * positions
+    assert bool((margin >= (parts - 1) * torch.finfo(torch.float32).eps * expected_parts * (1 - 1e-6)).all())

@@ -343,12 +343,12 @@ class ParamGradient:
         return bool(self._dense_parts) and None not in self._dense_parts
 
     def _dense_parts_norm(self) -> tuple[Tensor, int] | None:
-        """`[B]` the parts' norm of the dense contributions together and the most parts one sums, where every
-        one's is known."""
+        """`[B]` the parts' norm of the dense contributions together and the parts they sum (every contribution's:
+        the gradient added sums the calls' gradients too), where every one's is known."""
         if not self._dense_parts_known:
             return None
         # (in the rows' dtype: where it overflows, so does the bound, and the norms are taken again in float64)
-        return self._dense_parts_in(self.per_sample.dtype), max(positions for _, positions in self._dense_parts)
+        return self._dense_parts_in(self.per_sample.dtype), sum(positions for _, positions in self._dense_parts)
 
     def _dense_parts_in(self, dtype: torch.dtype) -> Tensor:
         return functools.reduce(torch.add, (parts(dtype) for parts, _ in self._dense_parts))
@@ -407,7 +407,7 @@ class ParamGradient:
         if squared or materialised is None:  # (a materialised gradient, measured and added as it is, needs none)
             # (in the factors' dtype: where it overflows, so does the bound, and the norms are taken again in float64)
             parts_sum = functools.reduce(torch.add, [parts_norm(b, dtype) for b in parts])
-            positions = max(b.right.shape[1] for b in parts)
+            positions = sum(b.right.shape[1] for b in parts)  # (the factors' and the tokens' sums are added)
             bound = rounding_bound_sq(total, parts_sum, positions, self._rounding_dtype or dtype, squared)
         groups = self.blocks[0].conv_groups
         if groups > 1:
@@ -490,11 +490,11 @@ def norms_together(gradients: Sequence[ParamGradient], keep_for_sum: bool) -> li
 
 
 def _stacked_parts(gradients: Sequence[ParamGradient]) -> tuple[Callable[[torch.dtype], Tensor], int] | None:
-    """The parts' norms of gradients whose rows are stacked, stacked alike, and the most parts of one sum; None
-    where one's is not known."""
+    """The parts' norms of gradients whose rows are stacked, stacked alike, and the most parts one of them sums;
+    None where one's is not known."""
     if not all(g._dense_parts_known for g in gradients):
         return None
-    positions = max(positions for g in gradients for _, positions in g._dense_parts)
+    positions = max(sum(positions for _, positions in g._dense_parts) for g in gradients)
     return lambda dtype: torch.cat([g._dense_parts_in(dtype) for g in gradients]), positions
 
 

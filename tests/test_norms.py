@@ -180,3 +180,19 @@ def test_a_long_sequence_whose_positions_cancel_adds_at_most_c(mode, layer):
         model.zero_grad(set_to_none=True)
         engine.backward((model(x) * weights).sum((1, 2)))
     assert float(model.weight.grad.double().norm()) <= max_grad_norm * (1 + 1e-5)
+
+
+def test_per_parameter_norms_of_positions_that_cancel_are_not_nan():
+    """A ghost norm is a sum of inner products, which rounds a little below 0 where the gradient cancels (two
+    positions, the second three times the first's input with a third of its output gradient): its square root
+    was NaN in `per_sample_norms(per_parameter=True)` once the bound, not a floor, took the rounding."""
+    generator = torch.Generator().manual_seed(0)
+    layer = nn.Linear(16, 16, bias=False)
+    x = torch.randn(3, 1, 16, generator=generator) * torch.tensor([1.0, 3.0]).view(1, 2, 1)
+    v = torch.randn(3, 16, generator=generator)
+    engine = flashdp.make_private(layer, mode="ghost", max_grad_norm=1.0, noise_multiplier=0.0, norm_strategy="ghost")
+    with engine:
+        out = layer(x) * 1e3
+        loss = (out[:, 0] * v).sum(1) - (out[:, 1] * v).sum(1) / 3
+        norms = engine.per_sample_norms(loss, per_parameter=True)["weight"]
+    assert bool((norms >= 0).all())

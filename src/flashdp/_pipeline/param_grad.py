@@ -404,6 +404,8 @@ class ParamGradient:
             plan = self._plan(materialised, factors, token_block)
         total, bound = functools.reduce(torch.add, terms), None
         squared = "ghost" in strategies or len(terms) > 1  # (sums of inner products: a squared norm's rounding)
+        if squared:  # (rounds below 0 where its exact value is about 0: sqrt would give NaN; NaN and inf stay)
+            total = total.clamp_min(0)
         if squared or materialised is None:  # (a materialised gradient, measured and added as it is, needs none)
             # (in the factors' dtype: where it overflows, so does the bound, and the norms are taken again in float64)
             parts_sum = functools.reduce(torch.add, [parts_norm(b, dtype) for b in parts])

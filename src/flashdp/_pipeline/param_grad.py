@@ -135,7 +135,8 @@ class ParamNorm:
     #: how the norm was computed, e.g. "ghost", "direct+tokens", "per-sample"
     strategy: str
     #: what the clipped sum needs; with factors, None unless asked for (ghost and flash take those sums from a
-    #: second backward); per-sample gradients built whole are always kept (`ParamGradient`)
+    #: second backward); per-sample gradients built whole are kept unless their parts' norm bounds them
+    #: (`ParamGradient`)
     plan: ClippedSumPlan | None
     #: `[B]` float64, where the gradient added is not the one measured (its parts summed again in another order,
     #: by a GEMM or a second backward) or the norm is a sum of inner products: the square of a bound on the norms of
@@ -285,8 +286,8 @@ class ParamGradient:
         if self.per_sample is not None and not self.blocks:
             rows = self.per_sample
             bfloat16 = bool(self._bfloat16_layers) and all(self._bfloat16_layers)
-            strategy, floored = self._per_sample_strategy(), self._dense_parts_known
-            return ("rows", bfloat16, floored, strategy, self.shape, rows.dtype, rows.device)
+            strategy, bounded = self._per_sample_strategy(), self._dense_parts_known
+            return ("rows", bfloat16, bounded, strategy, self.shape, rows.dtype, rows.device)
         if self.per_sample is not None or len(self.blocks) != 1 or self._summed_by_layer[0] is not None:
             return None
         block = self.blocks[0]
@@ -348,10 +349,15 @@ class ParamGradient:
         if not self._dense_parts_known:
             return None
         # (in the rows' dtype: where it overflows, so does the bound, and the norms are taken again in float64)
-        return self._dense_parts_in(self.per_sample.dtype), sum(positions for _, positions in self._dense_parts)
+        return self._dense_parts_in(self.per_sample.dtype), self._dense_positions
 
     def _dense_parts_in(self, dtype: torch.dtype) -> Tensor:
         return functools.reduce(torch.add, (parts(dtype) for parts, _ in self._dense_parts))
+
+    @property
+    def _dense_positions(self) -> int:
+        """The parts the dense contributions' gradients sum, every call's."""
+        return sum(positions for _, positions in self._dense_parts)
 
     def norm_float64(self) -> ParamNorm:
         """The `[B]` squared norms recomputed in float64 (where float32 overflowed: a per-sample norm above about
@@ -463,11 +469,11 @@ def rounding_bound_sq(norm_sq: Tensor, parts: Tensor, positions: int, dtype: tor
     gradient is a sum of the parts too, off by as much as the added one. Where the parts do not cancel the bound is
     close to the norm: S is of order sqrt(T) times it, and the bound about `T^1.5 eps` above it in relative terms
     (float32, T = 1024: 0.8%). NaN and inf stay as they are."""
-    eps = torch.finfo(dtype).eps
-    once = positions * eps * parts.double()
+    eps, parts = torch.finfo(dtype).eps, parts.double()
+    once = positions * eps * parts
     measured = norm_sq.double().clamp(min=0)
     if squared:
-        return ((measured + INNER_PRODUCTS_ROUNDING * eps * parts.double().square()).sqrt() + once).square()
+        return ((measured + INNER_PRODUCTS_ROUNDING * eps * parts.square()).sqrt() + once).square()
     return (measured.sqrt() + 2 * once).square()
 
 
@@ -496,7 +502,7 @@ def _stacked_parts(gradients: Sequence[ParamGradient]) -> tuple[Callable[[torch.
     None where one's is not known."""
     if not all(g._dense_parts_known for g in gradients):
         return None
-    positions = max(sum(positions for _, positions in g._dense_parts) for g in gradients)
+    positions = max(g._dense_positions for g in gradients)
     return lambda dtype: torch.cat([g._dense_parts_in(dtype) for g in gradients]), positions
 
 

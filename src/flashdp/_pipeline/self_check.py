@@ -402,12 +402,10 @@ def _cancelling_slack(counted: Counted, i: int, norm: float) -> float:
 
 def _disagreement(counted: Counted, true: UnitGradient, i: int, rtol: float, scale: float) -> str | None:
     true_norm = true.norms[counted.key]
-    norm_sq = float(counted.norm_sq[i])
-    norm = math.sqrt(max(norm_sq, 0.0))
+    norm = math.sqrt(max(float(counted.norm_sq[i]), 0.0))
     floor = rtol * scale
     slack = _cancelling_slack(counted, i, norm)
-    agreed = abs(norm - true_norm) <= rtol * (norm + true_norm) + floor + slack
-    if not agreed:
+    if abs(norm - true_norm) > rtol * (norm + true_norm) + floor + slack:
         return f"'{counted.name}': counted norm {norm:.4g}, autograd's {true_norm:.4g}"
     if counted.plan is not None and counted.key in true.projections:
         one_hot = torch.zeros_like(counted.norm_sq)

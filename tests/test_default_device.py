@@ -151,3 +151,31 @@ def test_ddp_creates_no_tensor_on_the_default_device(mode):
     torch.testing.assert_close(torch.cat([r["norms"] for r in ranks]), expected_norms, rtol=1e-5, atol=1e-6)
     for rank in ranks:
         torch.testing.assert_close(rank["params"], expected, rtol=1e-5, atol=1e-6)
+
+
+class SeesTheDefaultDevice(nn.Module):
+    """A module the generic rule counts (no rule of its own), noting where a tensor made without a device lands in
+    each run of its forward: the recorded one, and the rule's re-runs inside the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 2, device="cpu"))
+        self.seen: list[torch.device] = []
+
+    def forward(self, x):
+        self.seen.append(torch.empty(0).device)
+        return x @ self.weight
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_forward_run_again_in_the_backward_runs_under_the_forwards_default_device(mode):
+    """(On CUDA as the default device, a model's forward re-run by the generic rule made its tensors on the CPU:
+    the backward runs outside `torch.set_default_device`'s mode, so a sparse matrix built in the forward met its
+    inputs on another device and the model was refused.) The re-runs enter the forward's default device."""
+    sees = SeesTheDefaultDevice()
+    model = nn.Sequential(nn.Linear(3, 3, device="cpu"), sees)  # (its output gradient is handed over in the pass)
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    with engine, default_device_meta():
+        engine.backward(model(torch.randn(4, 3, device="cpu")).sum(1))
+    assert len(sees.seen) > 1, "the generic rule re-ran the forward"
+    assert set(sees.seen) == {torch.device("meta")}

@@ -8,7 +8,7 @@ from torch import nn
 
 import flashdp
 from tests.conftest import MODES
-from tests.oracle import per_sample_grads
+from tests.oracle import per_sample_grads, seeded
 
 
 def mlp(d: int, hidden: int) -> nn.Module:
@@ -122,7 +122,7 @@ def test_gradients_built_whole_add_at_most_c_on_every_step_whatever_the_rounding
     torch.manual_seed(0)
     layer, batch, positions = make(), 3, 8
     engine = flashdp.make_private(layer, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
-    generator = torch.Generator().manual_seed(1)
+    generator = seeded(1)
     with engine:
         engine.backward((layer(torch.ones(batch, positions, 1)) * torch.randn(batch, positions, 1)).sum((1, 2)))
         for _ in range(20):
@@ -155,7 +155,7 @@ def _ulps_around_cancelling_positions(positions: int, seed: int) -> torch.Tensor
     is lost, or not, by a sum depending on its order (up to about `T eps S / 2` apart)."""
     big, ulp = 2.0**20, 2.0**-23 * 2.0**20
     parts = torch.full((positions,), 0.49 * ulp)
-    where = torch.randperm(positions, generator=torch.Generator().manual_seed(seed))[:4]
+    where = torch.randperm(positions, generator=seeded(seed))[:4]
     parts[where[:2]], parts[where[2:]] = big, -big
     return parts
 
@@ -186,7 +186,7 @@ def test_per_parameter_norms_of_positions_that_cancel_are_not_nan():
     """A ghost norm is a sum of inner products, which rounds a little below 0 where the gradient cancels (two
     positions, the second three times the first's input with a third of its output gradient): its square root
     was NaN in `per_sample_norms(per_parameter=True)` once the bound, not a floor, took the rounding."""
-    generator = torch.Generator().manual_seed(0)
+    generator = seeded(0)
     layer = nn.Linear(16, 16, bias=False)
     x = torch.randn(3, 1, 16, generator=generator) * torch.tensor([1.0, 3.0]).view(1, 2, 1)
     v = torch.randn(3, 16, generator=generator)

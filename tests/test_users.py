@@ -540,7 +540,7 @@ def test_a_user_whose_huge_rows_cancel_to_more_than_c_adds_at_most_c(mode, dtype
     """(A breaker's finding: two rows of one user with gradients of norm `parts` that cancel to a norm of 3 to 300
     C: the float32 ghost norm rounded to about 0, and the user was added unclipped, 3 to 300 C.) The norm used for
     clipping is bounded through rounding (`rounding_bound_sq`): the user adds at most C, whatever cancels."""
-    generator = torch.Generator().manual_seed(0)
+    generator = seeded(0)
     model = nn.Linear(16, 16, bias=False).to(dtype)
     x = torch.randn(1, 16, generator=generator, dtype=dtype).repeat(2, 1)
     v, w = torch.randn(2, 16, generator=generator, dtype=dtype)

@@ -38,6 +38,9 @@ from flashdp.noisy_step import NoisyStep
 from flashdp.privacy import NoiseSource, keyed
 from flashdp.privacy.settings import PrivacyRequest, PrivacySettings
 
+#: the key a clipped loss's autograd node is marked with (`Node.metadata`): a second backward on it is named as such
+_CLIPPED = "flashdp: clipped"
+
 
 def _of_the_step(name: str) -> property:
     """An engine attribute that is the noisy step's (`NoisyStep`): read and set there."""
@@ -103,7 +106,6 @@ class DPEngine:
             attached.grad_writes, {},
         )  # fmt: skip
         self._backward_calls = 0
-        self._last_loss_node: int | None = None
         self._skipped_samples = 0
         self._users = UserLedger()
 
@@ -246,9 +248,10 @@ class DPEngine:
         refusal = self._attachment.provenance.refusal_before_backward(gradients, self._adapter.dp_group is not None)
         forward = recorder.take()
         if not forward.calls:
-            clipped = id(loss.grad_fn) == self._last_loss_node
+            clipped = loss.grad_fn is not None and _CLIPPED in loss.grad_fn.metadata
             raise coverage.no_forward_error(loss, self._known.plan, self.model.named_parameters(), clipped)
-        self._last_loss_node = id(loss.grad_fn)
+        if loss.grad_fn is not None:  # (marked on the node itself: a Python id of its wrapper may be reused)
+            loss.grad_fn.metadata[_CLIPPED] = True
         if check_provenance:
             self._attachment.grad_writes.check_no_gradient_hooks()
         return loss, forward, refusal

@@ -15,6 +15,7 @@ import contextlib
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -184,18 +185,18 @@ def computed_in_tf32(output: Tensor) -> bool:
     step by step in float32 differed by 1e-4, relative, on an H200). Its checks take a 16-bit tolerance."""
     if output.dtype != torch.float32 or not output.is_cuda:
         return False
-    if not _FP32_PRECISION:
-        return torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
+    return any(tf32_allowed(operation) for operation in ("conv", "rnn", "matmul"))
+
+
+def tf32_allowed(operation: Literal["conv", "rnn", "matmul"]) -> bool:
+    """Whether float32 `operation`s on CUDA may run in TF32: cuDNN's convolutions or recurrent layers, or cuBLAS's
+    matrix multiplies."""
     backends = torch.backends
-    cudnn = backends.cudnn
-    return any(
-        allows_tf32(operation, *parents)
-        for operation, *parents in (
-            (cudnn.conv, cudnn, backends),
-            (cudnn.rnn, cudnn, backends),
-            (backends.cuda.matmul, backends),
-        )
-    )
+    if not _FP32_PRECISION:
+        return backends.cuda.matmul.allow_tf32 if operation == "matmul" else backends.cudnn.allow_tf32
+    if operation == "matmul":
+        return allows_tf32(backends.cuda.matmul, backends)
+    return allows_tf32(getattr(backends.cudnn, operation), backends.cudnn, backends)
 
 
 #: torch >= 2.9 sets TF32 per backend and operation (`fp32_precision`); reading the older `allow_tf32` flags
@@ -262,6 +263,7 @@ class LayerCall:
     describes each.
     params: the parameters the rule counts, by name relative to the module, as it held them during the call.
     autocast: (device type, dtype) of the autocast region the call ran in, or None.
+    default_device: the default device the call ran under, where not the CPU (a re-run enters it), or None.
     """
 
     module: nn.Module
@@ -281,6 +283,8 @@ class LayerCall:
     #: grad_outputs entry is then the per-sample gradient `[B, *output shape]`
     shared: tuple[bool, ...] = ()
     autocast: tuple[str, torch.dtype] | None = None
+    #: the default device the forward ran under (`torch.set_default_device`) where it is not the CPU, else None
+    default_device: torch.device | None = None
     #: for a rule registered with `random`, the random number generators' state as the call began
     rng_state: RngState | None = None
     label: str = field(default="", compare=False)

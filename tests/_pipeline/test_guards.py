@@ -91,6 +91,8 @@ def test_load_state_dict_in_place_is_fine():
 
 
 def test_a_second_backward_on_one_forward_says_so():
+    """(On CUDA the refusal named another cause: the loss was known by the Python id of its node's wrapper, which
+    can be made anew on each access.) The node itself is marked."""
     model = _mlp()
     with _engine(model) as engine:
         loss = per_sample_loss(model(torch.randn(2, 4, dtype=torch.float64)))

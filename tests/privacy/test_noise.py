@@ -119,6 +119,8 @@ def test_a_secret_sources_cpu_generators_hold_more_than_32_bits():
 def test_a_keyed_generator_is_a_function_of_its_key_and_index_only():
     key = keyed.secret_key()
     arguments = [(key, 0), (key, 0), (key, 1), (key + 1, 0), (key + 2**32, 0)]
-    draws = [torch.randn(8, generator=keyed.keyed_generator(k, i, torch.device("cpu"))) for k, i in arguments]
+    draws = [
+        torch.randn(8, generator=keyed.keyed_generator(k, i, torch.device("cpu")), device="cpu") for k, i in arguments
+    ]
     assert torch.equal(draws[0], draws[1])
     assert all(not torch.equal(draws[0], other) for other in draws[2:])

@@ -19,7 +19,7 @@ from flashdp.privacy.sampling import SamplingMonitor
 def test_true_poisson_batch_sizes_never_raise_a_finding(mu):
     generator = torch.Generator().manual_seed(int(mu * 10))
     monitor = SamplingMonitor(mu)
-    sizes = torch.poisson(torch.full((3000,), mu), generator=generator).long().tolist()
+    sizes = torch.poisson(torch.full((3000,), mu, device="cpu"), generator=generator).long().tolist()
     assert all(monitor.record(s) is None for s in sizes)
 
 
@@ -36,7 +36,7 @@ def test_a_fixed_batch_size_is_found_once_the_poisson_odds_fall_below_one_in_a_m
 def test_a_mean_that_is_not_the_expected_batch_size_is_found():
     generator = torch.Generator().manual_seed(0)
     monitor = SamplingMonitor(32.0)
-    sizes = torch.poisson(torch.full((40,), 48.0), generator=generator).long().tolist()
+    sizes = torch.poisson(torch.full((40,), 48.0, device="cpu"), generator=generator).long().tolist()
     findings = [f for s in sizes if (f := monitor.record(s)) is not None]
     assert len(findings) == 1 and "mean batch size" in findings[0]
 

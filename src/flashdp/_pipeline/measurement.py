@@ -46,7 +46,7 @@ from flashdp.distributed import Adapter
 from flashdp.distributed.checks import highest_on_any_rank
 from flashdp.errors import FlashDPError, another_rank_refused
 from flashdp.kernels import backend as kernels_backend
-from flashdp.per_sample import computed_in_tf32
+from flashdp.per_sample import computed_in_tf32, tf32_allowed
 from flashdp.rules.recompute import raise_failed
 
 
@@ -330,7 +330,7 @@ def _verdict(
     """What the verifying pass found, agreed by every rank (the highest any of them found), with what explains a
     failure; raises where nothing does."""
     loss, calls = graph.loss, verifying.calls
-    rtol = self_check.tolerance([loss.dtype, *(m.dtype for c in calls for m in c.output_meta)], computed_in_tf32(loss))
+    rtol = self_check.tolerance([loss.dtype, *(m.dtype for c in calls for m in c.output_meta)], _in_tf32(graph))
     with torch.no_grad(), parts.adapter.norm_pass(), parts.timer.phase("checks"), releasing_packed_inputs(recorded):
         failing, verifying.passing_elsewhere = self_check.batch_independence_failures(
             loss, calls, verifying.sketches, verifying.dims, rtol, parts.check_generator, graph.users,
@@ -431,7 +431,7 @@ def _finish(
 ) -> Measurement:
     """The norms of the pass: the clipping groups' (a float32 overflow recomputed in float64, summed over the
     tensor-parallel group), the non-finite policy applied, and the per-sample self-check's comparison when due."""
-    loss, units, groups = graph.loss, graph.units, len(known.plan.clip_group_names)
+    units, groups = graph.units, len(known.plan.clip_group_names)
     with torch.no_grad(), kernels_backend(parts.settings.backend), parts.timer.phase("norm computation"):
         norms = done.collector.finish()
         clip_norms_sq = _group_norms_sq(norms, groups, units)
@@ -451,7 +451,7 @@ def _finish(
         policy, group = parts.settings.nonfinite, parts.adapter.dp_group
         skipped = nonfinite.nonfinite_samples(policy, clip_norms_sq, norms, group, finite, graph.users)
         if unit_gradients is not None:
-            rtol = self_check.tolerance(done.dtypes, computed_in_tf32(loss))
+            rtol = self_check.tolerance(done.dtypes, _in_tf32(graph))
             counted = [self_check.Counted(p.name, p.key, n.norm_sq, n.plan, n.bound_sq) for p, n in norms]
             self_check.check_per_sample(unit_gradients, counted, rtol)
     return Measurement(norms, clip_norms_sq, skipped)
@@ -510,3 +510,18 @@ def _group_norms_sq(norms: Norms, groups: int, batch: int) -> Tensor:
     """`[L, B]` float64 squared norms of the L clipping groups."""
     norms_sq = [norm.clip_norm_sq for _, norm in norms]
     return clipping.group_norms_sq(norms_sq, tuple(param.clip_group for param, _ in norms), groups, batch)
+
+
+#: the nodes of cuDNN's operations that TF32 settings of their own govern (`per_sample.tf32_allowed`)
+_CUDNN_NODES = {"ConvolutionBackward0": "conv", "CudnnConvolutionBackward0": "conv", "CudnnRnnBackward0": "rnn"}
+
+
+def _in_tf32(graph: LossGraph) -> bool:
+    """Whether the float32 loss's graph may have been computed in TF32, for the checks' tolerance: anywhere where
+    TF32 matrix multiplies are allowed, else where it holds a cuDNN convolution or recurrent layer allowed TF32
+    (the default): a float32 model of linear layers is checked at float32's tolerance on CUDA too."""
+    if not computed_in_tf32(graph.loss):
+        return False
+    if tf32_allowed("matmul"):
+        return True
+    return any(tf32_allowed(op) for op in {_CUDNN_NODES.get(type(node).__name__) for node in graph.parents} - {None})

@@ -235,6 +235,7 @@ def _run_rule(
         batch_size=batch,
         rows_per_sample=rows,
         autocast=call.autocast,
+        default_device=call.default_device,
         rng_state=call.rng_state,
         frozen=call.frozen,
         label=site.label,

@@ -53,6 +53,8 @@ class Call:
     #: under a wrapper that replaces parameters after the forward, a generic site's other parameters as held
     frozen: dict[str, Tensor]
     autocast: tuple[str, torch.dtype] | None
+    #: for a per-call rule (which may run the forward again), the default device where it is not the CPU
+    default_device: torch.device | None = None
     #: the random number generators' state as the call began, for a rule that replays its random draws
     rng_state: RngState | None = None
     #: an output was modified in place before `without_outputs` dropped them
@@ -270,6 +272,7 @@ class Recorder:
                 params=params,
                 frozen=frozen,
                 autocast=_autocast_state(outputs[0].device.type),
+                default_device=_default_device() if counting and site.match.rule.per_call else None,
                 rng_state=rng,
                 packed=hooks is not None,
                 watched_inputs=watched,
@@ -595,6 +598,11 @@ def _same(a: object, b: object) -> bool:
         return bool(a == b)
     except Exception:  # a value without a plain equality
         return False
+
+
+def _default_device() -> torch.device | None:
+    device = torch.get_default_device()
+    return None if device.type == "cpu" else device
 
 
 def _autocast_state(device_type: str) -> tuple[str, torch.dtype] | None:

@@ -17,7 +17,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from flashdp.per_sample import LayerCall, OuterGrad, PerSampleGrad, accumulation_dtype
-from flashdp.rules.recompute import autocast_like, check_recomputed, replayed_random_state, require_own_batch
+from flashdp.rules.recompute import as_in_the_forward, check_recomputed, replayed_random_state, require_own_batch
 from flashdp.rules.registry import register_rule
 
 PARAMS = (
@@ -40,7 +40,7 @@ def mha_grads(call: LayerCall) -> dict[str, PerSampleGrad]:
     q_w, k_w, v_w = _projection_weights(call)
     q_b, k_b, v_b = _projection_biases(call)
     out_w, out_b = call.tensor("out_proj.weight"), call.tensor("out_proj.bias")
-    with torch.no_grad(), autocast_like(call):  # (the projections as the forward ran them: under its autocast)
+    with torch.no_grad(), as_in_the_forward(call):  # (the projections as the forward ran them: under its autocast)
         q, k, v = (F.linear(x, w, b) for x, w, b in ((query, q_w, q_b), (key, k_w, k_b), (value, v_w, v_b)))
     leaves = [x.requires_grad_() for x in (q, k, v)]
     key_padding_mask, attn_mask = a["key_padding_mask"], a["attn_mask"]
@@ -51,7 +51,7 @@ def mha_grads(call: LayerCall) -> dict[str, PerSampleGrad]:
             extra[name] = bias.detach().expand(1, query.shape[1], -1).clone().requires_grad_()
     eye = torch.eye(module.embed_dim, dtype=q.dtype, device=q.device)
     dropout = module.dropout if call.rng_state is not None else 0.0  # (in training: the same masks, replayed)
-    with autocast_like(call), replayed_random_state(call), torch.enable_grad():
+    with as_in_the_forward(call), replayed_random_state(call), torch.enable_grad():
         if extra:
             k, v = torch.cat([k, extra["bias_k"]]), torch.cat([v, extra["bias_v"]])
             attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
@@ -63,7 +63,7 @@ def mha_grads(call: LayerCall) -> dict[str, PerSampleGrad]:
             v_proj_weight=eye, average_attn_weights=a["average_attn_weights"], is_causal=a["is_causal"],
         )  # fmt: skip
     recorded = call.outputs[0] if call.output_meta[0].slot == 0 else None
-    with autocast_like(call):
+    with as_in_the_forward(call):
         output = seq_first(F.linear(context.detach(), out_w, out_b))
     check_recomputed(call.label, recorded, output, "from q, k, v")
 

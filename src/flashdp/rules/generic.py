@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from flashdp.errors import FlashDPError, FlashDPWarning
 from flashdp.per_sample import LayerCall, OutputMeta, accumulation_dtype
-from flashdp.rules.recompute import autocast_like, check_recomputed
+from flashdp.rules.recompute import as_in_the_forward, check_recomputed
 from flashdp.rules.registry import Rule
 
 
@@ -62,7 +62,7 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
 
     per_sample_inputs = tuple(_by_sample(leaves[i], batch) for i in batched)
     versions = [p._version for p in params.values()]
-    with autocast_like(call), torch.enable_grad():
+    with as_in_the_forward(call), torch.enable_grad():
         grads, outputs = _each_sample(call, one_sample, per_sample_inputs, cotangents)
     _refuse_modified_params(call, params, versions)
     recorded = [call.outputs[j] for j in used]
@@ -157,7 +157,7 @@ def _batch_outputs(
     forward kept none (a module that became a generic rule site on this backward, recorded as a scope). Without
     it, a module whose samples' outputs depend on each other (rows flipped over the batch) would be counted as
     if each ran alone, checked by nothing but the self-check's few samples."""
-    with autocast_like(call), torch.no_grad():
+    with as_in_the_forward(call), torch.no_grad():
         return list(_outputs(call, params, inputs, slots))
 
 

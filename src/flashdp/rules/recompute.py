@@ -40,12 +40,16 @@ def raise_failed(checks: list[DeferredCheck], passed: list[bool] | None = None) 
             raise error()
 
 
-def autocast_like(call: LayerCall) -> contextlib.AbstractContextManager:
-    """The autocast region the call ran in (none: a null context)."""
-    if call.autocast is None:
-        return contextlib.nullcontext()
-    device_type, dtype = call.autocast
-    return torch.autocast(device_type, dtype=dtype)
+def as_in_the_forward(call: LayerCall) -> contextlib.AbstractContextManager:
+    """The autocast region the call ran in, and the default device it ran under: a re-run inside the backward
+    (where `torch.set_default_device`'s mode is off) makes its tensors where the forward made them."""
+    context = contextlib.ExitStack()
+    if call.autocast is not None:
+        device_type, dtype = call.autocast
+        context.enter_context(torch.autocast(device_type, dtype=dtype))
+    if call.default_device is not None:
+        context.enter_context(call.default_device)
+    return context
 
 
 @contextlib.contextmanager

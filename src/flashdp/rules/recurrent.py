@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from flashdp.per_sample import LayerCall, OuterGrad, PerSampleGrad, accumulation_dtype
-from flashdp.rules.recompute import autocast_like, check_recomputed, require_own_batch
+from flashdp.rules.recompute import as_in_the_forward, check_recomputed, require_own_batch
 from flashdp.rules.registry import register_rule
 
 
@@ -43,7 +43,7 @@ def recurrent_grads(call: LayerCall) -> dict[str, PerSampleGrad]:
     require_own_batch(call, "Recurrent layer")
     x, state = _inputs(call)
     seq_first = (lambda t: t.transpose(0, 1)) if module.batch_first else (lambda t: t)
-    with autocast_like(call), torch.enable_grad():
+    with as_in_the_forward(call), torch.enable_grad():
         output, last, directions = _unrolled(call, seq_first(x.detach()), state)
         output = seq_first(output)
     recorded = call.outputs[0] if call.output_meta[0].slot == 0 else None

@@ -36,10 +36,12 @@ def _mlp():
     return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)).double()
 
 
-@pytest.mark.parametrize("mode, expected_calls_per_param", [("bk", 0), ("ghost", 1)])
-def test_norm_pass_computes_no_parameter_gradient(mode, expected_calls_per_param, monkeypatch):
-    """bk never lets autograd accumulate a parameter gradient; ghost does so once, in its second pass (counted by
-    the post-accumulate hook flashdp itself puts on every parameter: a user's hook there is refused)."""
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_no_pass_computes_a_parameter_gradient(mode, monkeypatch):
+    """Autograd accumulates no parameter gradient: bk's sums, and ghost's second pass, are flashdp's own products
+    of the output gradients the norms were measured from (counted by the post-accumulate hook flashdp itself puts
+    on every parameter: a user's hook there is refused). (Ghost's second pass was autograd's backward of
+    `sum_i c_i loss_i`, which computes the output gradients anew.)"""
     from flashdp._pipeline.grad_writes import GradWrites
 
     model = _mlp()
@@ -54,7 +56,7 @@ def test_norm_pass_computes_no_parameter_gradient(mode, expected_calls_per_param
     monkeypatch.setattr(GradWrites, "_after_autograd", counting)
     with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=1.0) as engine:
         engine.backward(per_sample_loss(model(torch.randn(3, 4, dtype=torch.float64))))
-    assert calls == dict.fromkeys(calls, expected_calls_per_param)
+    assert calls == dict.fromkeys(calls, 0)
 
 
 @pytest.mark.parametrize("mode", ["bk", "ghost"])

@@ -175,10 +175,10 @@ class DPEngine:
         measured = self._measure(loss, forward, self._sums.keeps, groups, refusal)
         clip_norms_sq = measured.clip_norms_sq
         coef, norms = self._coefficients(measured)
-        del measured
+        again, measured = measured.again, None
         with self._timer.phase("second pass / bk sums"):
-            self._sums.add(loss, norms, coef, groups)
-        del norms
+            self._sums.add(loss, norms, coef, groups, again)
+        del norms, again
         self._users.clipped(clipping)
         provenance = self._attachment.provenance
         provenance.record(self._adapter.accumulated_gradients(self._known.plan.params))

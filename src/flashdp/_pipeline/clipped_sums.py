@@ -3,7 +3,9 @@ pass keeps for them. Three ways, one object each:
 
     BookKeeping     bk, and ghost / flash under a wrapper that cannot take a second pass (FSDP1): each parameter's
                     clipped-sum plan, kept by the norm pass, applied to the coefficients
-    SecondBackward  ghost / flash: a backward of `sum_i c_i loss_i` over the forward's graph, kept by the norm pass
+    SecondBackward  ghost / flash: the norm pass again over the forward's graph, kept by the first, each layer's
+                    clipped sum taken from the output gradients its norms were measured from (under FSDP2: a
+                    backward of `sum_i c_i loss_i`)
     NormsOnly       `engine.per_sample_norms`: nothing reaches `.grad`; the graph is kept for the user's backward
 """
 
@@ -11,14 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from flashdp._pipeline.grad_writes import GradWrites
-from flashdp._pipeline.param_grad import ParamNorm
+from flashdp._pipeline.param_grad import ParamGradient, ParamNorm
 from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.settings import EngineSettings
 from flashdp._pipeline.users import UserGroups
@@ -28,6 +30,8 @@ from flashdp.per_sample import cast, weighted_rows
 
 #: each reached parameter with its squared norms `[B]` and clipped-sum plan
 Norms = list[tuple[TrainableParam, ParamNorm]]
+#: what a summing pass hands each parameter's complete contributions to (`measurement.summing_pass`)
+SumSink = Callable[[TrainableParam, ParamGradient], None]
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,9 @@ class BookKeeping:
         self._adapter, self._backend = adapter, settings.backend
         self.keeps = Keeps(graph=False, plans=True, for_overflow={})
 
-    def add(self, loss: Tensor, norms: Norms, coef: Tensor, users: UserGroups | None) -> None:
+    def add(
+        self, loss: Tensor, norms: Norms, coef: Tensor, users: UserGroups | None, again: Callable | None = None
+    ) -> None:
         """`.grad += sum_i coef[l, i] g_i` for every reached parameter (l its clipping group); `coef` `[L, B]`
         (with users: `[L, U]`, applied to the plans, which are per user). `norms` handed over: emptied, each plan
         released once its sum is taken."""
@@ -120,11 +126,46 @@ class SecondBackward:
         self._adapter, self._grad_writes, self._backend = adapter, grad_writes, settings.backend
         self.keeps = Keeps(graph=True, plans=False, for_overflow=_overflow_without_plans(adapter))
 
-    def add(self, loss: Tensor, norms: Norms, coef: Tensor, users: UserGroups | None) -> None:
+    def add(
+        self,
+        loss: Tensor,
+        norms: Norms,
+        coef: Tensor,
+        users: UserGroups | None,
+        again: Callable[[SumSink, set[Hashable]], None] | None = None,
+    ) -> None:
+        """`.grad += sum_i coef[l, i] g_i` (with users, per user) for every reached parameter. A parameter whose
+        per-sample gradients were built whole (their plan kept, `ParamGradient`) gets its clipped sum from them;
+        every other from the norm pass run `again`: the same backward of `sum_i loss_i`, so the same output
+        gradients its norms were measured from, summed with the coefficients by flashdp's products (a backward
+        of `sum_i c_i loss_i` computes them anew, scaled, and where they cancel, between layers and the loss,
+        rounds them to others: a sample added 12 C). `norms` handed over: emptied."""
+        if again is None:  # (FSDP2: no calls kept, the wrapper reduces what autograd accumulates)
+            self._backward(loss, norms, coef, users)
+            return
+        streamed = {param.key for param, norm in norms if norm.plan is None}
+        built = [pair for pair in norms if pair[1].plan is not None]
+        norms.clear()
+        rows = coef.unbind()
+
+        def add_sum(param: TrainableParam, gradient: ParamGradient) -> None:
+            if param.key in streamed:  # (a call's other parameters, built whole, are summed from their rows)
+                plan = gradient.sum_plan()
+                row = rows[param.clip_group if len(rows) > 1 else 0]
+                self._adapter.accumulate(param, plan.clipped_sum(cast(row, plan.dtype)))
+
+        with kernels_backend(self._backend):
+            with torch.no_grad():
+                for param, clipped_sum in clipped_sums(built, coef):
+                    self._adapter.accumulate(param, clipped_sum)
+            again(add_sum, streamed)
+            self._adapter.accumulation_done()
+
+    def _backward(self, loss: Tensor, norms: Norms, coef: Tensor, users: UserGroups | None) -> None:
         """A backward of `sum_i coef[0, i] loss_i` (one clipping group; with users, row i takes its user's
         coefficient): only the reached parameters' `.grad` may change. A parameter whose per-sample gradients were
-        built whole (their plan kept, `ParamGradient`) gets its clipped sum from them: autograd's gradient for it
-        is replaced by that sum, so that what is added is what was measured. `norms` handed over: emptied."""
+        built whole gets its clipped sum from them: autograd's gradient for it is replaced by that sum. Exposed
+        where gradients cancel between a layer and the loss (see `add`)."""
         counted = [param.param for param, _ in norms]
         scale = coef[:1] * self._adapter.second_pass_scale  # [1, B]
         row_coef = scale[0] if users is None else users.per_row(scale[0])

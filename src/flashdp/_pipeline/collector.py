@@ -54,6 +54,8 @@ class NormCollector:
     defer_checks: the rules' checks of their recomputations are left on the device, in `deferred`, for the
         caller to read with its own sync (`recompute.raise_failed`) before it uses the norms.
     users: the rows' users, when each user's rows are clipped together: the norms are then per user.
+    sums: a pass for the clipped sums alone (ghost's second pass): each parameter's contributions are handed to it
+        as soon as they are complete, and no norm is taken.
     """
 
     def __init__(
@@ -71,10 +73,13 @@ class NormCollector:
         keep_gradients: bool = False,
         defer_checks: bool = False,
         users: UserGroups | None = None,
+        sums: Callable[[TrainableParam, ParamGradient], None] | None = None,
     ) -> None:
-        self.plan, self.batch = plan, batch
+        self.plan, self.batch, self._sums = plan, batch, sums
         self._calls: list[Call | None] = list(calls)
-        self._kept: list[Call] = [c.without_outputs() for c in calls] if keep_calls else []
+        # (a per-call rule's outputs kept with its call: it compares its re-run with them, else runs the forward)
+        kept = [c if plan.site(c.module).match.rule.per_call else c.without_outputs() for c in calls]
+        self._kept: list[Call] = kept if keep_calls else []
         self._strategy, self._keep_for_sum, self._backend = strategy, keep_for_sum, backend
         self._recorder, self._shared = recorder, shared or {}
         self._keep_gradients, self._users = keep_gradients, users
@@ -151,9 +156,14 @@ class NormCollector:
 
     def _finalise(self, key: Hashable) -> None:
         param, parts = self._params[key], self._parts.pop(key)
-        gradient = ParamGradient(param.name, param.shape, self.batch, self._strategy, self._users)
+        gradient = ParamGradient(
+            param.name, param.shape, self.batch, self._strategy, self._users, sum_only=self._sums is not None
+        )
         for part in sorted(parts, key=lambda p: p.call_index) if len(parts) > 1 else parts:
             gradient.add(part.grad, part.source, generic=part.generic)
+        if self._sums is not None:
+            self._sums(param, gradient)
+            return
         if self._keep_gradients:
             self.gradients[key] = gradient
         stacking = gradient.stacking_key()
@@ -182,7 +192,7 @@ class NormCollector:
             for key in list(self._parts):  # parameters some of whose calls do not reach the loss
                 self._finalise(key)
             self._norms_of_stacked()
-        if not self._norms:
+        if not self._norms and self._sums is None:
             raise no_trainable_layer_error()
         order = sorted(self._norms, key=self._first_call.__getitem__)
         return [(self._params[key], self._norms[key]) for key in order]

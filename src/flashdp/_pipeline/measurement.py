@@ -10,7 +10,8 @@ only if the whole backward succeeds. The loss graph is indexed once (`LossGraph`
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flashdp._pipeline import aliasing, clipping, learning, nonfinite, routing, self_check
-from flashdp._pipeline.clipped_sums import Keeps, Norms
+from flashdp._pipeline.clipped_sums import Keeps, Norms, SumSink
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
 from flashdp._pipeline.grad_writes import GradWrites
 from flashdp._pipeline.knowledge import Knowledge
@@ -84,6 +85,9 @@ class Measurement:
     norms: Norms
     clip_norms_sq: Tensor
     skipped: Tensor | None
+    #: where the norm pass kept its calls and the graph (ghost, flash): the same pass again, each parameter's
+    #: contributions handed to the given sink as they are complete (`summing_pass`); else None
+    again: Callable[[SumSink, set[Hashable]], None] | None = None
 
 
 @dataclass
@@ -371,15 +375,17 @@ def _unit_gradients(
         return self_check.unit_gradients(graph.loss, held, units, projected=keeps.plans, seed=seed)
 
 
-def _norm_pass(parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], keeps: Keeps) -> _Pass:
+def _norm_pass(
+    parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], keeps: Keeps, sums: SumSink | None = None
+) -> _Pass:
     """One norm pass over `calls` (handed over: from here the collector holds each call, and releases it once its
-    gradients are in); the graph is kept only where `keeps` says."""
+    gradients are in); the graph is kept only where `keeps` says. With `sums`, a summing pass (`summing_pass`)."""
     rule_calls, aliased = _rule_calls(known.plan, calls)
     if aliased is not None:
         raise aliased
     calls.clear()
     shared, known = learning.shared(known, graph, rule_calls)
-    return _collect(parts, known, graph, rule_calls, shared, keeps)
+    return _collect(parts, known, graph, rule_calls, shared, keeps, sums=sums)
 
 
 def _collect(
@@ -390,6 +396,7 @@ def _collect(
     shared: dict,
     keeps: Keeps,
     verifying: Verifying | None = None,
+    sums: SumSink | None = None,
 ) -> _Pass:
     """The norm pass over `rule_calls` (handed over): each call's output gradients go to a collector as autograd
     computes them (and, `verifying`, to its sketches, the graph kept)."""
@@ -406,10 +413,15 @@ def _collect(
         shared=shared,
         defer_checks=True,
         users=graph.users,
+        sums=sums,
         **keeps.for_overflow,
     )
     sharing = capturing_per_sample_gradients(list(shared.values()), batch)
-    with parts.timer.phase("norm pass"), parts.adapter.norm_pass(), sharing:
+    with (
+        parts.timer.phase("norm pass" if sums is None else "second pass / bk sums"),
+        parts.adapter.norm_pass(),
+        sharing,
+    ):
         stream_output_gradients(
             graph,
             rule_calls,
@@ -444,7 +456,8 @@ def _finish(
         if not finite:  # a float32 norm that overflowed, or a NaN/inf gradient
             norms = _float64_norms(parts, known, graph, norms, done.collector, keeps)
             clip_norms_sq = _group_norms_sq(norms, groups, units)
-        done.collector = None
+        kept, done.collector = done.collector.calls, None
+        again = functools.partial(summing_pass, parts, known, graph, kept) if kept and keeps.graph else None
         if parts.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
             with parts.timer.phase("communication"):
                 dist.all_reduce(clip_norms_sq, op=dist.ReduceOp.SUM, group=parts.norm_group)
@@ -454,7 +467,24 @@ def _finish(
             rtol = self_check.tolerance(done.dtypes, _in_tf32(graph))
             counted = [self_check.Counted(p.name, p.key, n.norm_sq, n.plan, n.bound_sq) for p, n in norms]
             self_check.check_per_sample(unit_gradients, counted, rtol)
-    return Measurement(norms, clip_norms_sq, skipped)
+    return Measurement(norms, clip_norms_sq, skipped, again)
+
+
+def summing_pass(
+    parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], sums: SumSink, wanted: Collection[Hashable]
+) -> None:
+    """The norm pass again over the kept graph, freeing it as it goes: the same backward of `sum_i loss_i` over the
+    same ops, so each call's output gradients are those its norms were measured from (bit for bit where the ops
+    are deterministic), each `wanted` parameter's contributions handed to `sums` once complete, no norm taken.
+    Only the calls counting a wanted parameter are run. The rules' recomputations are those the norm pass checked
+    (the same inputs, the same replayed random state): not checked again (a device sync)."""
+    keeps = Keeps(graph=False, plans=False, for_overflow={})
+    plan = known.plan
+    calls = [
+        c for c in calls if any(plan.param_of[(id(c.module), n)].key in wanted for n in plan.site(c.module).trainable)
+    ]
+    if calls:
+        _norm_pass(parts, known, graph, calls, keeps, sums=sums).collector.finish()
 
 
 def _float64_norms(

@@ -184,6 +184,7 @@ class ParamGradient:
         batch_size: int,
         strategy: StrategyChoice = "auto",
         users: UserGroups | None = None,
+        sum_only: bool = False,
     ) -> None:
         self.name = name
         self.shape = torch.Size(shape)
@@ -204,6 +205,9 @@ class ParamGradient:
         self._layout: tuple[int, tuple[int, int]] | None = None  # (groups, block shape) of factored contributions
         self._users = users
         self._by_user = users is not None
+        #: for `sum_plan` alone: contributions whose layer sums them from row weights are kept as such, unbuilt
+        self._sum_only = sum_only and users is None
+        self._layer_sums: list[DeferredOuterGrad] = []
 
     @classmethod
     def from_plan(cls, name: str, plan: ClippedSumPlan, batch_size: int) -> ParamGradient:
@@ -223,6 +227,9 @@ class ParamGradient:
         parts = None if deferred is None or deferred.parts_norm is None else (deferred.parts_norm, deferred.positions)
         if deferred is not None:
             self._check_layout(deferred.conv_groups, deferred.block_shape, source)
+            if self._sum_only and deferred.weighted_sum is not None:
+                self._layer_sums.append(deferred)
+                return
             grad, bfloat16 = self._resolved(deferred)
         if isinstance(grad, OuterGrad):
             self._check_block(grad, source)
@@ -308,11 +315,7 @@ class ParamGradient:
     def norm_sq(self, keep_for_sum: bool) -> ParamNorm:
         """The `[B]` squared norms, and with `keep_for_sum` the plan of the clipped sum."""
         self._group_by_user()
-        if self.per_sample is not None and self.blocks:  # a tied parameter, one of its layers materialising
-            self.per_sample = self.per_sample + sum(
-                outer_products.materialise(b, self.batch_size).view(self.per_sample.shape) for b in self.blocks
-            )
-            self.blocks, self._dense_parts = [], [None]
+        self._merge_tied()
         if self.per_sample is not None:
             parts = None if keep_for_sum else self._dense_parts_norm()
             if parts is not None:  # (else kept with or without `keep_for_sum`: see the class docstring)
@@ -326,6 +329,28 @@ class ParamGradient:
             norm_sq = sum_of_squares(kept) if norm_sq is None else norm_sq
             return ParamNorm(norm_sq, self._per_sample_strategy(), ClippedSumPlan(self.shape, per_sample=kept))
         return self._blocks_norm_sq(keep_for_sum)
+
+    def sum_plan(self) -> ClippedSumPlan:
+        """The clipped sum's plan alone, no norm taken (a second pass over contributions whose norms the first
+        measured): the per-sample gradients where a rule built them, else the factors, or the layers' own sums."""
+        self._group_by_user()
+        self._merge_tied()
+        layer_sums = tuple(self._layer_sums)
+        if self.per_sample is not None or not self.blocks:
+            return ClippedSumPlan(self.shape, per_sample=self.per_sample, weighted=layer_sums)
+        dense = [b for b in self.blocks if not b.is_tokens]
+        tokens = [b for b in self.blocks if b.is_tokens]
+        concat = outer_products.concat_positions
+        plan = self._plan(None, concat(dense) if dense else None, concat(tokens) if tokens else None)
+        return dataclasses.replace(plan, weighted=plan.weighted + layer_sums)
+
+    def _merge_tied(self) -> None:
+        """A tied parameter one of whose layers materialised: every contribution materialised, summed."""
+        if self.per_sample is not None and self.blocks:
+            self.per_sample = self.per_sample + sum(
+                outer_products.materialise(b, self.batch_size).view(self.per_sample.shape) for b in self.blocks
+            )
+            self.blocks, self._dense_parts = [], [None]
 
     def _group_by_user(self) -> None:
         """Each user's rows summed (dense) or concatenated along positions (blocks), once: from here on a "sample"

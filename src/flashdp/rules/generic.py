@@ -112,8 +112,7 @@ def _runs_by_autograd(
     forward that writes to its input in place, or updates running statistics, writes to the copies, not to the
     recorded activations or the model's state (vmap refuses such writes). An input shared by the samples that the
     re-run writes to is refused."""
-    state = {name: t.clone() for name, t in {**dict(call.module.named_buffers()), **call.frozen}.items()}
-    pullback_of = functools.partial(_autograd_vjp, call, state)
+    pullback_of = functools.partial(_autograd_vjp, call, _state_copies(call))
     shared = [(t, t._version) for t in tree_leaves((call.args, call.kwargs)) if isinstance(t, Tensor)]
     runs = [
         one_sample(tuple(x[b].clone() for x in inputs), tuple(c[b] for c in cotangents), pullback_of=pullback_of)
@@ -156,9 +155,15 @@ def _batch_outputs(
     """The module's outputs on the whole batch, recomputed: what the per-sample re-run is compared with where the
     forward kept none (a module that became a generic rule site on this backward, recorded as a scope). Without
     it, a module whose samples' outputs depend on each other (rows flipped over the batch) would be counted as
-    if each ran alone, checked by nothing but the self-check's few samples."""
+    if each ran alone, checked by nothing but the self-check's few samples. Run over copies of the module's buffers:
+    a forward that updates them (running statistics) updates the copies."""
     with as_in_the_forward(call), torch.no_grad():
-        return list(_outputs(call, params, inputs, slots))
+        return list(_outputs(call, {**_state_copies(call), **params}, inputs, slots))
+
+
+def _state_copies(call: LayerCall) -> dict[str, Tensor]:
+    """Copies of the module's buffers and frozen tensors, for a re-run that may write to them."""
+    return {name: t.clone() for name, t in {**dict(call.module.named_buffers()), **call.frozen}.items()}
 
 
 def _outputs(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -154,28 +155,34 @@ def test_ddp_creates_no_tensor_on_the_default_device(mode):
 
 
 class SeesTheDefaultDevice(nn.Module):
-    """A module the generic rule counts (no rule of its own), noting where a tensor made without a device lands in
-    each run of its forward: the recorded one, and the rule's re-runs inside the backward."""
+    """A module the generic rule counts, noting where a tensor made without a device lands in each run of its
+    forward: the recorded one, and the rule's re-runs inside the backward. A parameter of its own (no rule counts
+    it); or, `flipped`, a Linear's run on the rows in reverse order, so that the module is recorded as a scope and
+    counted by the generic rule only once the Linear's rows are found not to be samples."""
 
-    def __init__(self):
+    def __init__(self, flipped: bool):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(3, 2, device="cpu"))
+        self.flipped, self.inner = flipped, nn.Linear(3, 2, device="cpu")
+        self.weight = nn.Parameter(torch.randn(3, 2, device="cpu"), requires_grad=not flipped)
+        self.inner.requires_grad_(flipped)
         self.seen: list[torch.device] = []
 
     def forward(self, x):
         self.seen.append(torch.empty(0).device)
-        return x @ self.weight
+        return self.inner(x.flip(0)).flip(0) if self.flipped else x @ self.weight
 
 
+@pytest.mark.parametrize("flipped", [False, True])
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
-def test_a_forward_run_again_in_the_backward_runs_under_the_forwards_default_device(mode):
+def test_a_forward_run_again_in_the_backward_runs_under_the_forwards_default_device(mode, flipped):
     """(On CUDA as the default device, a model's forward re-run by the generic rule made its tensors on the CPU:
     the backward runs outside `torch.set_default_device`'s mode, so a sparse matrix built in the forward met its
     inputs on another device and the model was refused.) The re-runs enter the forward's default device."""
-    sees = SeesTheDefaultDevice()
+    sees = SeesTheDefaultDevice(flipped)
     model = nn.Sequential(nn.Linear(3, 3, device="cpu"), sees)  # (its output gradient is handed over in the pass)
     engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
-    with engine, default_device_meta():
+    with engine, default_device_meta(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", flashdp.FlashDPWarning)
         engine.backward(model(torch.randn(4, 3, device="cpu")).sum(1))
     assert len(sees.seen) > 1, "the generic rule re-ran the forward"
     assert set(sees.seen) == {torch.device("meta")}

@@ -53,7 +53,8 @@ class Call:
     #: under a wrapper that replaces parameters after the forward, a generic site's other parameters as held
     frozen: dict[str, Tensor]
     autocast: tuple[str, torch.dtype] | None
-    #: for a per-call rule (which may run the forward again), the default device where it is not the CPU
+    #: for a per-call rule, or a scope (the generic rule may count it later), either of which may run the forward
+    #: again: the default device where it is not the CPU
     default_device: torch.device | None = None
     #: the random number generators' state as the call began, for a rule that replays its random draws
     rng_state: RngState | None = None
@@ -272,7 +273,7 @@ class Recorder:
                 params=params,
                 frozen=frozen,
                 autocast=_autocast_state(outputs[0].device.type),
-                default_device=_default_device() if counting and site.match.rule.per_call else None,
+                default_device=_default_device() if not counting or site.match.rule.per_call else None,
                 rng_state=rng,
                 packed=hooks is not None,
                 watched_inputs=watched,

@@ -11,7 +11,7 @@ At `make_private`:
                       generic one in flashdp.rules.generic), the hooked modules, the clipping groups; params.py:
                       how a parameter is identified whatever wraps the model
     attachment.py     the hooks on the model (recorder, gradient guards) and their removal
-    clipped_sums.py   how the clipped sums reach `.grad` (bk, second backward, or norms only), resolved once, and
+    clipped_sums.py   how the clipped sums reach `.grad` (bk, a second pass, or norms only), resolved once, and
                       what the norm pass keeps for them
 
 Each `engine.backward(loss)`:
@@ -40,8 +40,9 @@ Each `engine.backward(loss)`:
        self-check     self_check.py: on the first backward and every N, what was counted against autograd's own
                       per-sample gradients on the same graph
     3. coefficients   clipping.py: per-sample clipping coefficients from the norms of each clipping group
-    4. sums           clipped_sums.py: bk: each plan's `sum_i c_i g_i`; ghost / flash: a second backward of
-                      `sum_i c_i loss_i`; the adapter (`flashdp.distributed`) says where they go
+    4. sums           clipped_sums.py: bk: each plan's `sum_i c_i g_i`; ghost / flash: the norm pass again, each
+                      layer's `sum_i c_i g_i` from the same output gradients (FSDP2: a second backward of
+                      `sum_i c_i loss_i`); the adapter (`flashdp.distributed`) says where they go
 
 Each `engine.step()`: `flashdp.noisy_step.NoisyStep`: its hooks, the adapter's gradient reduction, noise
 (`flashdp.privacy`), 1 / expected_batch_size, the optimizer, the accountant. profiling.py times every phase on

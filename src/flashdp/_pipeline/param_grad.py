@@ -407,7 +407,7 @@ class ParamGradient:
         terms: list[Tensor] = []  # summed at the end (no zeros to add to: a step of tiny layers is host-bound)
         strategies = []
         if factors is not None:
-            strategy = self._choose(factors)
+            strategy = self._strategy_of(factors.right.shape[1], *factors.block_shape)
             strategies.append(strategy)
             if strategy == "direct" and (keep_for_sum or token_block is not None):
                 # materialised: kept for the bk sum, or needed for the cross term with a tied table
@@ -455,9 +455,6 @@ class ParamGradient:
         if factors is not None and tokens is None and not self._by_user and calls and all(calls):
             return ClippedSumPlan(self.shape, materialised, weighted=tuple(calls))
         return ClippedSumPlan(self.shape, materialised, factors, tokens)
-
-    def _choose(self, factors: OuterGrad) -> str:
-        return self._strategy_of(factors.right.shape[1], *factors.block_shape)
 
     def _strategy_of(self, positions: int, p: int, d: int) -> str:
         if self.strategy_choice != "auto":

@@ -243,7 +243,7 @@ class DPEngine:
         recorder = self._attachment.recorder_if_attached()
         self._timer.forward_ended()
         self._trainable.check_unchanged()
-        loss = guards.check_loss(loss)
+        loss = guards.check_loss(loss, self._sums.take_unmatched)
         gradients = self._adapter.accumulated_gradients(self._known.plan.params) if check_provenance else []
         refusal = self._attachment.provenance.refusal_before_backward(gradients, self._adapter.dp_group is not None)
         forward = recorder.take()

@@ -30,8 +30,9 @@ from flashdp.per_sample import cast, weighted_rows
 
 #: each reached parameter with its squared norms `[B]` and clipped-sum plan
 Norms = list[tuple[TrainableParam, ParamNorm]]
-#: what a summing pass hands each parameter's complete contributions to (`measurement.summing_pass`)
-SumSink = Callable[[TrainableParam, ParamGradient], None]
+#: what a summing pass hands each parameter's complete contributions to, with whether its calls' gradients were the
+#: first pass's (a device bool; None where not compared) (`measurement.summing_pass`)
+SumSink = Callable[[TrainableParam, ParamGradient, Tensor | None], None]
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,10 @@ class BookKeeping:
     def __init__(self, adapter: Adapter, settings: EngineSettings) -> None:
         self._adapter, self._backend = adapter, settings.backend
         self.keeps = Keeps(graph=False, plans=True, for_overflow={})
+
+    def take_unmatched(self) -> list[tuple[str, Tensor]]:
+        """Nothing: one pass."""
+        return []
 
     def add(
         self, loss: Tensor, norms: Norms, coef: Tensor, users: UserGroups | None, again: Callable | None = None
@@ -125,6 +130,14 @@ class SecondBackward:
     def __init__(self, adapter: Adapter, grad_writes: GradWrites, settings: EngineSettings) -> None:
         self._adapter, self._grad_writes, self._backend = adapter, grad_writes, settings.backend
         self.keeps = Keeps(graph=True, plans=False, for_overflow=_overflow_without_plans(adapter))
+        #: (name, device bool) per parameter of the last summing pass: whether its calls' gradients were the norm
+        #: pass's (where not, its sum was not added); read with the next backward's first sync
+        self._matched: list[tuple[str, Tensor]] = []
+
+    def take_unmatched(self) -> list[tuple[str, Tensor]]:
+        """The last summing pass's parameters with whether their gradients matched the norm pass's (emptied)."""
+        matched, self._matched = self._matched, []
+        return matched
 
     def add(
         self,
@@ -148,11 +161,15 @@ class SecondBackward:
         norms.clear()
         rows = coef.unbind()
 
-        def add_sum(param: TrainableParam, gradient: ParamGradient) -> None:
-            if param.key in streamed:  # (a call's other parameters, built whole, are summed from their rows)
-                plan = gradient.sum_plan()
-                row = rows[param.clip_group if len(rows) > 1 else 0]
-                self._adapter.accumulate(param, plan.clipped_sum(cast(row, plan.dtype)))
+        def add_sum(param: TrainableParam, gradient: ParamGradient, matched: Tensor | None) -> None:
+            if param.key not in streamed:  # (a call's other parameters, built whole, are summed from their rows)
+                return
+            plan = gradient.sum_plan()
+            clipped_sum = plan.clipped_sum(cast(rows[param.clip_group if len(rows) > 1 else 0], plan.dtype))
+            if matched is not None:  # (else other gradients than those measured: nothing added, said next backward)
+                clipped_sum = torch.where(matched, clipped_sum, 0.0)
+                self._matched.append((param.name, matched))
+            self._adapter.accumulate(param, clipped_sum)
 
         with kernels_backend(self._backend):
             with torch.no_grad():

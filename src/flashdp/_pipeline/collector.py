@@ -15,6 +15,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+from torch import Tensor
 
 from flashdp._pipeline.norm_pass import OutputGrads, check_call, per_sample_gradients
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice, norms_together
@@ -26,8 +27,11 @@ from flashdp._pipeline.users import UserGroups
 from flashdp.errors import FlashDPError
 from flashdp.kernels import Backend
 from flashdp.kernels import backend as kernels_backend
-from flashdp.per_sample import DeferredOuterGrad, PerSampleGrad
+from flashdp.per_sample import DeferredOuterGrad, OuterGrad, PerSampleGrad
 from flashdp.rules.recompute import DeferredCheck, deferring_checks
+
+#: the forms of per-sample gradients a second pass sums (`fingerprint`)
+_FACTORED = (OuterGrad, DeferredOuterGrad)
 
 #: the most elements the gradients waiting for `norms_together` may hold (a pass holds them a little longer than
 #: one parameter at a time would)
@@ -55,7 +59,10 @@ class NormCollector:
         caller to read with its own sync (`recompute.raise_failed`) before it uses the norms.
     users: the rows' users, when each user's rows are clipped together: the norms are then per user.
     sums: a pass for the clipped sums alone (ghost's second pass): each parameter's contributions are handed to it
-        as soon as they are complete, and no norm is taken.
+        as soon as they are complete, with whether every call counting it received the gradients a first pass did
+        (`fingerprints` given), and no norm is taken.
+    fingerprints: per call, the fingerprint of the gradients a first pass over the same calls received, to compare
+        with (a collector keeping its calls records its own in `fingerprints`).
     """
 
     def __init__(
@@ -73,13 +80,18 @@ class NormCollector:
         keep_gradients: bool = False,
         defer_checks: bool = False,
         users: UserGroups | None = None,
-        sums: Callable[[TrainableParam, ParamGradient], None] | None = None,
+        sums: Callable[[TrainableParam, ParamGradient, Tensor | None], None] | None = None,
+        fingerprints: Sequence[Tensor | None] | None = None,
     ) -> None:
         self.plan, self.batch, self._sums = plan, batch, sums
         self._calls: list[Call | None] = list(calls)
         # (a per-call rule's outputs kept with its call: it compares its re-run with them, else runs the forward)
         kept = [c if plan.site(c.module).match.rule.per_call else c.without_outputs() for c in calls]
         self._kept: list[Call] = kept if keep_calls else []
+        #: per call, its gradients' fingerprint (`_fingerprint`), where the calls are kept for a second pass
+        self.fingerprints: list[Tensor | None] = [None] * len(calls) if keep_calls else []
+        self._expected = fingerprints
+        self._matched: dict[int, Tensor] = {}  # call -> whether its gradients' fingerprint is the first pass's
         self._strategy, self._keep_for_sum, self._backend = strategy, keep_for_sum, backend
         self._recorder, self._shared = recorder, shared or {}
         self._keep_gradients, self._users = keep_gradients, users
@@ -133,6 +145,9 @@ class NormCollector:
             dims = check_call(site, call, grads, index, self.batch, self._shared)
             with call.as_called():
                 per_sample = self._per_sample(index, site, call, grads, dims)
+            # (a second pass sums factored contributions alone: the others' rows are kept from this one)
+            if self._expected is not None or any(isinstance(g, _FACTORED) for g in per_sample.values()):
+                self._fingerprint(index, grads)
             if any(isinstance(g, DeferredOuterGrad) for g in per_sample.values()):
                 per_sample = {name: _as_called_later(g, call.attributes) for name, g in per_sample.items()}
             for name, key in keys.items():
@@ -144,6 +159,22 @@ class NormCollector:
             if not self._pending[key] and key in self._parts:
                 self._finalise(key)
 
+    def _fingerprint(self, index: int, grads: OutputGrads) -> None:
+        """Record call `index`'s gradients' fingerprint (a first pass), or compare it with the first pass's."""
+        if not self.fingerprints and self._expected is None:
+            return
+        found = fingerprint([*grads, *self._shared_per_sample(index).values()])
+        if self._expected is None:
+            self.fingerprints[index] = found
+            return
+        expected = self._expected[index]
+        same_shape = expected is not None and expected.shape == found.shape
+        self._matched[index] = (found == expected).all() if same_shape else found.new_zeros((), dtype=torch.bool)
+
+    def _shared_per_sample(self, index: int) -> dict[int, Tensor]:
+        """The per-sample gradients of call `index`'s outputs shared across the batch, by output."""
+        return {j: output.per_sample for (i, j), output in self._shared.items() if i == index} if self._shared else {}
+
     def _per_sample(
         self, index: int, site: Site, call: Call, grads: OutputGrads, dims: tuple[int, ...]
     ) -> dict[str, PerSampleGrad]:
@@ -151,8 +182,7 @@ class NormCollector:
             shapes = [self.plan.param_of[(id(call.module), name)].shape for name in site.trainable]
             like = next(g for g in grads if g is not None)
             return {name: like.new_zeros(0, *shape) for name, shape in zip(site.trainable, shapes, strict=True)}
-        mine = {j: output.per_sample for (i, j), output in self._shared.items() if i == index} if self._shared else {}
-        return per_sample_gradients(site, call, grads, self.batch, mine, dims)
+        return per_sample_gradients(site, call, grads, self.batch, self._shared_per_sample(index), dims)
 
     def _finalise(self, key: Hashable) -> None:
         param, parts = self._params[key], self._parts.pop(key)
@@ -162,7 +192,10 @@ class NormCollector:
         for part in sorted(parts, key=lambda p: p.call_index) if len(parts) > 1 else parts:
             gradient.add(part.grad, part.source, generic=part.generic)
         if self._sums is not None:
-            self._sums(param, gradient)
+            matched = [self._matched[p.call_index] for p in parts if p.call_index in self._matched]
+            self._sums(
+                param, gradient, (matched[0] if len(matched) == 1 else torch.stack(matched).all()) if matched else None
+            )
             return
         if self._keep_gradients:
             self.gradients[key] = gradient
@@ -196,6 +229,18 @@ class NormCollector:
             raise no_trainable_layer_error()
         order = sorted(self._norms, key=self._first_call.__getitem__)
         return [(self._params[key], self._norms[key]) for key in order]
+
+
+def fingerprint(tensors: Sequence[Tensor | None]) -> Tensor:
+    """`[2 n]` float64: the sum and the norm of each of the n tensors (None skipped), accumulated in float64: equal
+    for tensors equal bit for bit, and, all but surely, different where any was rounded otherwise or changed (not
+    where elements only swapped places)."""
+    present = [t for t in tensors if t is not None]
+    if not present:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack(
+        [x for t in present for x in (t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64))]
+    )
 
 
 def _as_called_later(grad: PerSampleGrad, attributes: tuple) -> PerSampleGrad:

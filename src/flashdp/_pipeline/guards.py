@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -80,7 +80,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         )
 
 
-def check_loss(loss: object) -> Tensor:
+def check_loss(loss: object, last_sums: Callable[[], list[tuple[str, Tensor]]] = list) -> Tensor:
+    """`loss`, checked: a 1-D tensor of finite per-sample losses that requires grad. `last_sums()`: the last summing
+    pass's parameters with whether their gradients were its norm pass's (device bools), read with the same sync:
+    raises for any that were not."""
     if not isinstance(loss, Tensor):
         raise FlashDPError(f"engine.backward expects a tensor of per-sample losses. Received {type(loss).__name__}.")
     if loss.dim() != 1:
@@ -92,11 +95,28 @@ def check_loss(loss: object) -> Tensor:
     if not loss.requires_grad:
         raise FlashDPError("The loss does not require grad: compute it from the model's output with grad enabled.")
     # (a sync, before the forward's calls are taken: a refused loss leaves the forward to a backward on a fixed one)
-    finite = torch.isfinite(loss.detach())
-    if not bool(finite.all()):
+    finite, summed = torch.isfinite(loss.detach()), last_sums()
+    all_finite, *matched = torch.stack([finite.all(), *(m.to(loss.device) for _, m in summed)]).tolist()
+    unmatched = [name for (name, _), ok in zip(summed, matched, strict=True) if not ok]
+    if unmatched:
+        raise _unmatched_error(unmatched)
+    if not all_finite:
         bad = torch.nonzero(~finite).flatten().tolist()
         raise FlashDPError(f"Non-finite per-sample losses at batch indices {bad[:20]}: fix them before clipping.")
     return loss
+
+
+def _unmatched_error(names: list[str]) -> FlashDPError:
+    return FlashDPError(
+        f"The last engine.backward's second pass (ghost and flash run the norm pass again for the clipped sums) "
+        f"received other output gradients than its norm pass for {', '.join(repr(n) for n in names[:10])}: their "
+        "clipped sums were not added to .grad (a sample could have added more than max_grad_norm), so the last "
+        "step went without them. Causes: a backward hook (Tensor.register_hook, a module's backward hook) that "
+        "returns another gradient when run again, or a non-deterministic kernel between a layer and the loss "
+        "(CUDA's atomic index_add_, scatter_add_ or index_select backward where rows collide). Use mode='bk' (one "
+        "backward), make the hook return the same gradient every time, or call "
+        "torch.use_deterministic_algorithms(True)."
+    )
 
 
 class FrozenTables:

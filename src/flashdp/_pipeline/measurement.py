@@ -376,16 +376,24 @@ def _unit_gradients(
 
 
 def _norm_pass(
-    parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], keeps: Keeps, sums: SumSink | None = None
+    parts: Parts,
+    known: Knowledge,
+    graph: LossGraph,
+    calls: list[Call],
+    keeps: Keeps,
+    sums: SumSink | None = None,
+    fingerprints: list[Tensor | None] | None = None,
 ) -> _Pass:
     """One norm pass over `calls` (handed over: from here the collector holds each call, and releases it once its
     gradients are in); the graph is kept only where `keeps` says. With `sums`, a summing pass (`summing_pass`)."""
     rule_calls, aliased = _rule_calls(known.plan, calls)
     if aliased is not None:
         raise aliased
+    if fingerprints is not None and len(fingerprints) != len(rule_calls):  # (the kept calls are rule calls already)
+        raise RuntimeError("flashdp: the second pass's calls are not the first pass's")
     calls.clear()
     shared, known = learning.shared(known, graph, rule_calls)
-    return _collect(parts, known, graph, rule_calls, shared, keeps, sums=sums)
+    return _collect(parts, known, graph, rule_calls, shared, keeps, sums=sums, fingerprints=fingerprints)
 
 
 def _collect(
@@ -397,6 +405,7 @@ def _collect(
     keeps: Keeps,
     verifying: Verifying | None = None,
     sums: SumSink | None = None,
+    fingerprints: list[Tensor | None] | None = None,
 ) -> _Pass:
     """The norm pass over `rule_calls` (handed over): each call's output gradients go to a collector as autograd
     computes them (and, `verifying`, to its sketches, the graph kept)."""
@@ -414,6 +423,7 @@ def _collect(
         defer_checks=True,
         users=graph.users,
         sums=sums,
+        fingerprints=fingerprints,
         **keeps.for_overflow,
     )
     sharing = capturing_per_sample_gradients(list(shared.values()), batch)
@@ -456,8 +466,10 @@ def _finish(
         if not finite:  # a float32 norm that overflowed, or a NaN/inf gradient
             norms = _float64_norms(parts, known, graph, norms, done.collector, keeps)
             clip_norms_sq = _group_norms_sq(norms, groups, units)
-        kept, done.collector = done.collector.calls, None
-        again = functools.partial(summing_pass, parts, known, graph, kept) if kept and keeps.graph else None
+        kept, fingerprints, done.collector = done.collector.calls, done.collector.fingerprints, None
+        again = None
+        if kept and keeps.graph:
+            again = functools.partial(summing_pass, parts, known, graph, list(zip(kept, fingerprints, strict=True)))
         if parts.norm_group is not None:  # a sample's computation is split across this group (tensor parallel)
             with parts.timer.phase("communication"):
                 dist.all_reduce(clip_norms_sq, op=dist.ReduceOp.SUM, group=parts.norm_group)
@@ -471,20 +483,30 @@ def _finish(
 
 
 def summing_pass(
-    parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], sums: SumSink, wanted: Collection[Hashable]
+    parts: Parts,
+    known: Knowledge,
+    graph: LossGraph,
+    kept: list[tuple[Call, Tensor | None]],
+    sums: SumSink,
+    wanted: Collection[Hashable],
 ) -> None:
     """The norm pass again over the kept graph, freeing it as it goes: the same backward of `sum_i loss_i` over the
-    same ops, so each call's output gradients are those its norms were measured from (bit for bit where the ops
-    are deterministic), each `wanted` parameter's contributions handed to `sums` once complete, no norm taken.
-    Only the calls counting a wanted parameter are run. The rules' recomputations are those the norm pass checked
-    (the same inputs, the same replayed random state): not checked again (a device sync)."""
-    keeps = Keeps(graph=False, plans=False, for_overflow={})
+    same ops, so each call's output gradients are those its norms were measured from where the ops are
+    deterministic and no hook returns another gradient than before: checked against the first pass's fingerprint
+    of each call's gradients (`kept`: the calls with theirs), the outcome handed with each `wanted` parameter's
+    contributions to `sums` once complete; no norm is taken. Only the calls counting a wanted parameter run. The
+    rules' recomputations are those the norm pass checked (the same inputs, the same replayed random state): not
+    checked again (a device sync)."""
     plan = known.plan
-    calls = [
-        c for c in calls if any(plan.param_of[(id(c.module), n)].key in wanted for n in plan.site(c.module).trainable)
+    kept = [
+        (c, f)
+        for c, f in kept
+        if any(plan.param_of[(id(c.module), n)].key in wanted for n in plan.site(c.module).trainable)
     ]
-    if calls:
-        _norm_pass(parts, known, graph, calls, keeps, sums=sums).collector.finish()
+    if kept:
+        calls, fingerprints = [c for c, _ in kept], [f for _, f in kept]
+        keeps = Keeps(graph=False, plans=False, for_overflow={})
+        _norm_pass(parts, known, graph, calls, keeps, sums=sums, fingerprints=fingerprints).collector.finish()
 
 
 def _float64_norms(

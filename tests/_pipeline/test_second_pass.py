@@ -1,0 +1,59 @@
+"""Ghost's and flash's second pass: the norm pass again, whose sums are taken from the gradients its norms were
+measured from, and refused (nothing added, named at the next backward) where the backward gives other ones."""
+
+import pytest
+import torch
+from torch import nn
+
+import flashdp
+from flashdp import FlashDPError
+from tests.conftest import requires_triton
+
+TWO_PASSES = ["ghost", pytest.param("flash", marks=requires_triton)]
+
+
+class HookedHead(nn.Module):
+    """Two Linears; a hook on the output's gradient that, once `changing`, returns another gradient on each run of
+    the backward over one graph (100 times the first, or a random scaling)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.a, self.b, self.kind, self.changing = nn.Linear(4, 4), nn.Linear(4, 1), kind, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.b(torch.tanh(self.a(x)))
+        runs = [0]
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            runs[0] += 1
+            if not self.changing or runs[0] == 1:
+                return grad
+            return 100 * grad if self.kind == "count" else grad * torch.randn_like(grad).exp()
+
+        y.register_hook(hook)
+        return y.sum((1, 2))
+
+
+def _grad_norm(model: nn.Module) -> float:
+    return float(torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters() if p.grad is not None)))
+
+
+@pytest.mark.parametrize("kind", ["count", "noise"])
+@pytest.mark.parametrize("mode", TWO_PASSES)
+def test_a_hook_returning_another_gradient_when_run_again_adds_nothing_and_is_named(mode, kind):
+    """(A breaker's finding: a hook whose gradient changed on the second pass made one sample add 76 C in ghost and
+    flash, bk 1 C.) The second pass's gradients are checked against the norm pass's fingerprints: where they
+    differ, the parameters' sums are not added, and the next backward says so."""
+    torch.manual_seed(0)
+    model = HookedHead(kind)
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, norm_strategy="ghost")
+    only_first = torch.tensor([1.0, 1e-20, 1e-20])  # (sample 0's gradient; every sample reaches every layer)
+    engine.backward(model(torch.randn(3, 2, 4)) * only_first)
+    assert _grad_norm(model) <= 1.0 + 1e-5
+    model.zero_grad()
+    model.changing = True
+    engine.backward(model(torch.randn(3, 2, 4)) * only_first)
+    assert _grad_norm(model) <= 1.0 + 1e-5
+    model.changing = False
+    with pytest.raises(FlashDPError, match=r"second pass .* received other output gradients than its norm pass for"):
+        engine.backward(model(torch.randn(3, 2, 4)) * only_first)

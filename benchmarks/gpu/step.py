@@ -9,7 +9,10 @@ whole run of that mode, its first step included (weights counted). A mode may na
 norm strategy: `bk:torch`, `ghost:triton`, `bk@ghost` (default "auto"). One JSON line per row is appended to
 `--out` as soon as it is measured, so that a run cut short keeps its figures. `--profile-mode bk` prints flashdp's
 per-phase breakdown of two more steps of that mode at the first shape (to stderr); the non-private rows also give
-the forward and the backward timed apart.
+the forward and the backward timed apart. `--deterministic`: every mode under
+`torch.use_deterministic_algorithms(True)` (cuBLAS's workspace set for it): ghost and flash refuse a step whose
+second pass met other gradients than their norm pass, and on CUDA the attention's backward (flash attention's atomic
+dQ) differs from run to run otherwise (2026-11-27, not yet measured with the flag).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import cProfile
 import gc
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -182,7 +186,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile-mode", default="bk")
     parser.add_argument("--out", default="step.jsonl")
+    parser.add_argument("--deterministic", action="store_true")
     args = parser.parse_args()
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (read when cuBLAS starts: before any product)
+        torch.use_deterministic_algorithms(True)
     device = torch.device(args.device)
     model = build_model(args)
     for index, (t, b) in enumerate(args.shapes):

@@ -57,3 +57,35 @@ def test_a_hook_returning_another_gradient_when_run_again_adds_nothing_and_is_na
     model.changing = False
     with pytest.raises(FlashDPError, match=r"second pass .* received other output gradients than its norm pass for"):
         engine.backward(model(torch.randn(3, 2, 4)) * only_first)
+
+
+class WritesAGradWhenRunAgain(nn.Module):
+    """A hook on an activation that, on the backward's second run over one graph, adds into a parameter's `.grad`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        runs = [0]
+
+        def hook(grad: torch.Tensor) -> None:
+            runs[0] += 1
+            if runs[0] == 2 and self.first.weight.grad is not None:
+                self.first.weight.grad.add_(7.0)
+
+        h.register_hook(hook)
+        return self.last(h.tanh()).sum(1)
+
+
+@pytest.mark.parametrize("mode", TWO_PASSES)
+def test_a_grad_written_during_the_second_pass_is_refused(mode):
+    """(The second pass was autograd's backward, watched for foreign `.grad` writes; the pass of flashdp's own sums
+    must be watched too.) A write by anything but flashdp's sums is refused, naming the parameter."""
+    torch.manual_seed(0)
+    model = WritesAGradWhenRunAgain()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, norm_strategy="ghost")
+    engine.backward(model(torch.randn(3, 3)))  # (an earlier micro-batch: the hook finds a .grad to add into)
+    with pytest.raises(FlashDPError, match=r"wrote to the \.grad of 'first\.weight'"):
+        engine.backward(model(torch.randn(3, 3)))

@@ -169,14 +169,18 @@ class SecondBackward:
             if matched is not None:  # (else other gradients than those measured: nothing added, said next backward)
                 clipped_sum = torch.where(matched, clipped_sum, 0.0)
                 self._matched.append((param.name, matched))
-            self._adapter.accumulate(param, clipped_sum)
+            self._accumulate(param, clipped_sum)
 
-        with kernels_backend(self._backend):
+        # (autograd accumulates no `.grad` in this pass: a write by anything but flashdp's sums is refused)
+        with kernels_backend(self._backend), self._grad_writes.refusing():
             with torch.no_grad():
                 for param, clipped_sum in clipped_sums(built, coef):
-                    self._adapter.accumulate(param, clipped_sum)
+                    self._accumulate(param, clipped_sum)
             again(add_sum, streamed)
             self._adapter.accumulation_done()
+
+    def _accumulate(self, param: TrainableParam, clipped_sum: Tensor) -> None:
+        self._grad_writes.own_write(param.param, functools.partial(self._adapter.accumulate, param, clipped_sum))
 
     def _backward(self, loss: Tensor, norms: Norms, coef: Tensor, users: UserGroups | None) -> None:
         """A backward of `sum_i coef[0, i] loss_i` (one clipping group; with users, row i takes its user's

@@ -18,7 +18,7 @@ by a foreign write is cleared (that removes signal, never adds any). Outside a r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 from torch import Tensor
@@ -126,6 +126,17 @@ class GradWrites:
         if key not in self._allowed:
             self._mark(key)
         self._seen[key] = _state(self._params[key][1].grad)
+
+    def own_write(self, param: Tensor, write: Callable[[], None]) -> None:
+        """flashdp's own change of `param.grad` by `write()` within a refusing region (a clipped sum added): not
+        foreign; a change since the last one seen still is."""
+        key = id(param)
+        watched = self._allowed is not None and key in self._seen
+        if watched and not _same(_state(param.grad), self._seen[key]):
+            self._mark(key)
+        write()
+        if watched:
+            self._seen[key] = _state(param.grad)
 
     def _mark(self, key: int) -> None:
         if key not in self._foreign:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from flashdp._pipeline.norm_pass import OutputGrads, check_call, per_sample_gradients
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice, norms_together
@@ -91,6 +92,8 @@ class NormCollector:
         #: per call, its gradients' fingerprint (`_fingerprint`), where the calls are kept for a second pass
         self.fingerprints: list[Tensor | None] = [None] * len(calls) if keep_calls else []
         self._expected = fingerprints
+        #: calls whose inputs a checkpoint recomputes in each pass (fingerprinted too: a pass may recompute others)
+        self._recomputed = {i for i, c in enumerate(calls) if c.packed}
         self._matched: dict[int, Tensor] = {}  # call -> whether its gradients' fingerprint is the first pass's
         self._strategy, self._keep_for_sum, self._backend = strategy, keep_for_sum, backend
         self._recorder, self._shared = recorder, shared or {}
@@ -147,7 +150,7 @@ class NormCollector:
                 per_sample = self._per_sample(index, site, call, grads, dims)
             # (a second pass sums factored contributions alone: the others' rows are kept from this one)
             if self._expected is not None or any(isinstance(g, _FACTORED) for g in per_sample.values()):
-                self._fingerprint(index, grads)
+                self._fingerprint(index, call, grads, dims)
             if any(isinstance(g, DeferredOuterGrad) for g in per_sample.values()):
                 per_sample = {name: _as_called_later(g, call.attributes) for name, g in per_sample.items()}
             for name, key in keys.items():
@@ -159,11 +162,16 @@ class NormCollector:
             if not self._pending[key] and key in self._parts:
                 self._finalise(key)
 
-    def _fingerprint(self, index: int, grads: OutputGrads) -> None:
-        """Record call `index`'s gradients' fingerprint (a first pass), or compare it with the first pass's."""
+    def _fingerprint(self, index: int, call: Call, grads: OutputGrads, dims: tuple[int, ...]) -> None:
+        """Record call `index`'s fingerprint (a first pass), or compare it with the first pass's: its output
+        gradients' row by row (`dims`: their batch dims), its shared outputs' per-sample gradients, and, where a
+        checkpoint recomputes them, its inputs."""
         if not self.fingerprints and self._expected is None:
             return
-        found = fingerprint([*grads, *self._shared_per_sample(index).values()])
+        rows = [*zip(grads, dims, strict=True), *((g, 0) for g in self._shared_per_sample(index).values())]
+        if index in self._recomputed:
+            rows += [(x, None) for x in tree_leaves((call.args, call.kwargs)) if isinstance(x, Tensor)]
+        found = fingerprint(rows)
         if self._expected is None:
             self.fingerprints[index] = found
             return
@@ -231,16 +239,23 @@ class NormCollector:
         return [(self._params[key], self._norms[key]) for key in order]
 
 
-def fingerprint(tensors: Sequence[Tensor | None]) -> Tensor:
-    """`[2 n]` float64: the sum and the norm of each of the n tensors (None skipped), accumulated in float64: equal
-    for tensors equal bit for bit, and, all but surely, different where any was rounded otherwise or changed (not
-    where elements only swapped places)."""
-    present = [t for t in tensors if t is not None]
-    if not present:
-        return torch.zeros(0, dtype=torch.float64)
-    return torch.stack(
-        [x for t in present for x in (t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64))]
-    )
+def fingerprint(tensors: Sequence[tuple[Tensor | None, int | None]]) -> Tensor:
+    """float64: the sum and the norm of each row of each tensor along its given dim (the batch's; None: the whole
+    tensor as one row), accumulated in float64 (None tensors skipped): equal for tensors equal bit for bit, and,
+    all but surely, different where any row was rounded otherwise, changed, or swapped with another row (not
+    where elements only swapped places within one row)."""
+    parts = []
+    for t, dim in tensors:
+        if t is None:
+            continue
+        if dim is None or t.dim() <= dim:
+            t, dim = t.reshape(1, -1), 0
+        other = [d for d in range(t.dim()) if d != dim]
+        if not other:  # (one element per row)
+            parts += [t.double(), t.double().abs()]
+            continue
+        parts += [t.sum(dim=other, dtype=torch.float64), torch.linalg.vector_norm(t, dim=other, dtype=torch.float64)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
 def _as_called_later(grad: PerSampleGrad, attributes: tuple) -> PerSampleGrad:

@@ -153,3 +153,72 @@ def test_inputs_a_checkpoint_recomputes_otherwise_in_the_second_pass_add_nothing
             continue
         assert _grad_norm(model) <= 1.0 + 1e-5
     assert refused
+
+
+@pytest.mark.parametrize("mode", TWO_PASSES)
+def test_a_swap_of_samples_in_a_time_major_attention_when_run_again_is_named(mode):
+    """(A breaker's finding: attention's output is recorded through the `[L * B, E]` tensor it views, and its rows
+    were fingerprinted along dim 1 of that, its features: a swap of two samples passed, 8-10 C per sample.) The
+    gradients are fingerprinted in the output's own shape."""
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(4, 1)  # (time-major: [L, B, E])
+    engine = flashdp.make_private(attention, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    weights = torch.randint(-3, 4, (4, 3, 4)).float()  # (integer coefficients: sums exact in any order)
+
+    def loss(swapping: bool) -> torch.Tensor:
+        x = torch.randn(4, 3, 4) * torch.tensor([100.0, 1.0, 1.0]).view(1, 3, 1)
+        out, runs = attention(x, x, x, need_weights=False)[0], [0]
+
+        def swap_on_the_second_run(grad: torch.Tensor) -> torch.Tensor:
+            runs[0] += 1
+            return grad.index_select(1, torch.tensor([1, 0, 2])) if swapping and runs[0] == 2 else grad
+
+        out.register_hook(swap_on_the_second_run)
+        return (out * weights).sum((0, 2)) * torch.tensor([1.0, 1e-20, 1e-20])
+
+    engine.backward(loss(swapping=False))
+    attention.zero_grad()
+    engine.backward(loss(swapping=True))
+    assert _grad_norm(attention) <= 1.0 + 1e-5
+    with pytest.raises(FlashDPError, match="received other output gradients than its norm pass"):
+        engine.backward(loss(swapping=False))
+
+
+@pytest.mark.parametrize(
+    "first, second, inputs",
+    [
+        ([1.0, 5.0, 6.0], [2.0, 3.0, 7.0], [1.0, -5.0, 4.0]),  # the same sum and norm, other values: 15 C
+        ([1e6, 0.0], [1e6, 0.03], [1e-7, 1e4]),  # a change below the float32 sum's rounding: 300 C
+    ],
+    ids=["same sum and norm", "below rounding"],
+)
+@pytest.mark.parametrize("mode", TWO_PASSES)
+def test_a_row_whose_values_change_unseen_by_sums_when_run_again_adds_nothing(mode, first, second, inputs):
+    """(A breaker's finding: rows were fingerprinted by the float32 sum and norm of their values, which other values
+    can share, and a change below their rounding keeps: a sample added 15 C and 300 C.) The rows' bits are
+    summed as integers, exactly."""
+    layer = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    engine = flashdp.make_private(layer, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    x = torch.tensor(inputs).view(1, -1, 1).repeat(3, 1, 1)
+
+    def loss(changing: bool) -> torch.Tensor:
+        out, runs = layer(x), [0]
+
+        def change_on_the_second_run(grad: torch.Tensor) -> torch.Tensor:
+            runs[0] += 1
+            if changing and runs[0] == 2:
+                grad = grad.clone()
+                grad[0, :, 0] = torch.tensor(second)
+            return grad
+
+        out.register_hook(change_on_the_second_run)
+        return (out[..., 0] * torch.tensor(first)).sum(1) * torch.tensor([1.0, 1e-20, 1e-20])
+
+    engine.backward(loss(changing=False))
+    layer.zero_grad()
+    engine.backward(loss(changing=True))
+    assert _grad_norm(layer) <= 1.0 + 1e-5
+    with pytest.raises(FlashDPError, match="received other output gradients than its norm pass"):
+        engine.backward(loss(changing=False))

@@ -28,7 +28,7 @@ from flashdp._pipeline.users import UserGroups
 from flashdp.errors import FlashDPError
 from flashdp.kernels import Backend
 from flashdp.kernels import backend as kernels_backend
-from flashdp.per_sample import DeferredOuterGrad, OuterGrad, PerSampleGrad, accumulation_dtype
+from flashdp.per_sample import DeferredOuterGrad, OuterGrad, PerSampleGrad
 from flashdp.rules.recompute import DeferredCheck, deferring_checks
 
 #: the forms of per-sample gradients a second pass sums (`fingerprint`)
@@ -245,23 +245,23 @@ class NormCollector:
 
 def fingerprint(tensors: Sequence[tuple[Tensor | None, int | None]]) -> Tensor:
     """int64, per row of each tensor along its given dim (the batch's; None: the whole tensor as one row; None
-    tensors skipped): the sum of its elements' bits read as integers, exact, so that an element whose bits change
-    changes it (unless another's change cancels it to the bit), and the bits of its norm (accumulated in float32,
-    float64 for float64 tensors). Equal for tensors equal bit for bit; different where a row's values changed
-    (also below their sums' rounding: a breaker's 0.03 next to 1e6, amplified by its input to 300 C, passed sums
-    and norms of the values), or rows swapped; not where elements only swap places within one row."""
+    tensors skipped): the sum of its elements' bits read as integers, exact modulo 2^32 (2^64 for float64), so
+    that an element whose bits change changes it (unless another's change cancels it to the bit), and the bits of
+    its norm (accumulated in float32, float64 for float64 tensors). Equal for tensors equal bit for bit;
+    different where a row's values changed (also below their sums' rounding: a breaker's 0.03 next to 1e6,
+    amplified by its input to 300 C, passed sums and norms of the values), or rows swapped; not where elements
+    only swap places within one row."""
     parts = []
     for t, dim in tensors:
         if t is None:
             continue
-        if dim is None or t.dim() <= dim:
-            t, dim = t.reshape(1, -1), 0
-        other, bits = [d for d in range(t.dim()) if d != dim], t.view(_BITS[t.dtype])
-        if not other:  # (one element per row)
-            parts += [bits.long(), t.double().abs().view(torch.int64)]
-            continue
-        norm = torch.linalg.vector_norm(t, dim=other, dtype=accumulation_dtype(t))
-        parts += [bits.sum(dim=other, dtype=torch.int64), norm.double().view(torch.int64)]
+        # (rows flattened, the bits summed wrapping around in their own width: each several times faster on the CPU)
+        rows = t.reshape(1, -1) if dim is None or t.dim() <= dim else t.movedim(dim, 0).reshape(t.shape[dim], -1)
+        wide = t.dtype in (torch.float32, torch.float64)
+        norm = torch.linalg.vector_norm(rows, dim=1, dtype=None if wide else torch.float32)
+        bits = rows.view(_BITS[t.dtype])
+        sums = bits.sum(1, dtype=torch.int64 if bits.dtype == torch.int64 else torch.int32)
+        parts += [sums, norm.double().view(torch.int64)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 

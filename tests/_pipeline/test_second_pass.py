@@ -1,6 +1,8 @@
 """Ghost's and flash's second pass: the norm pass again, whose sums are taken from the gradients its norms were
 measured from, and refused (nothing added, named at the next backward) where the backward gives other ones."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -167,21 +169,11 @@ def test_a_swap_of_samples_in_a_time_major_attention_when_run_again_is_named(mod
 
     def loss(swapping: bool) -> torch.Tensor:
         x = torch.randn(4, 3, 4) * torch.tensor([100.0, 1.0, 1.0]).view(1, 3, 1)
-        out, runs = attention(x, x, x, need_weights=False)[0], [0]
-
-        def swap_on_the_second_run(grad: torch.Tensor) -> torch.Tensor:
-            runs[0] += 1
-            return grad.index_select(1, torch.tensor([1, 0, 2])) if swapping and runs[0] == 2 else grad
-
-        out.register_hook(swap_on_the_second_run)
+        out = attention(x, x, x, need_weights=False)[0]
+        _changed_on_the_second_run(out, lambda g: g.index_select(1, torch.tensor([1, 0, 2])) if swapping else g)
         return (out * weights).sum((0, 2)) * torch.tensor([1.0, 1e-20, 1e-20])
 
-    engine.backward(loss(swapping=False))
-    attention.zero_grad()
-    engine.backward(loss(swapping=True))
-    assert _grad_norm(attention) <= 1.0 + 1e-5
-    with pytest.raises(FlashDPError, match="received other output gradients than its norm pass"):
-        engine.backward(loss(swapping=False))
+    _adds_at_most_c_and_is_named(engine, attention, loss)
 
 
 @pytest.mark.parametrize(
@@ -203,22 +195,36 @@ def test_a_row_whose_values_change_unseen_by_sums_when_run_again_adds_nothing(mo
     engine = flashdp.make_private(layer, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
     x = torch.tensor(inputs).view(1, -1, 1).repeat(3, 1, 1)
 
+    def changed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad[0, :, 0] = torch.tensor(second)
+        return grad
+
     def loss(changing: bool) -> torch.Tensor:
-        out, runs = layer(x), [0]
-
-        def change_on_the_second_run(grad: torch.Tensor) -> torch.Tensor:
-            runs[0] += 1
-            if changing and runs[0] == 2:
-                grad = grad.clone()
-                grad[0, :, 0] = torch.tensor(second)
-            return grad
-
-        out.register_hook(change_on_the_second_run)
+        out = layer(x)
+        _changed_on_the_second_run(out, changed if changing else lambda g: g)
         return (out[..., 0] * torch.tensor(first)).sum(1) * torch.tensor([1.0, 1e-20, 1e-20])
 
-    engine.backward(loss(changing=False))
-    layer.zero_grad()
-    engine.backward(loss(changing=True))
-    assert _grad_norm(layer) <= 1.0 + 1e-5
+    _adds_at_most_c_and_is_named(engine, layer, loss)
+
+
+def _changed_on_the_second_run(out: torch.Tensor, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """A hook on `out`'s gradient that applies `change` the second time it runs (ghost's second pass)."""
+    runs = [0]
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        runs[0] += 1
+        return change(grad) if runs[0] == 2 else grad
+
+    out.register_hook(hook)
+
+
+def _adds_at_most_c_and_is_named(engine, model: nn.Module, loss: Callable[[bool], torch.Tensor]) -> None:
+    """A backward as recorded; one whose second pass changes (`loss(True)`), which adds at most C; the next names
+    it."""
+    engine.backward(loss(False))
+    model.zero_grad()
+    engine.backward(loss(True))
+    assert _grad_norm(model) <= 1.0 + 1e-5
     with pytest.raises(FlashDPError, match="received other output gradients than its norm pass"):
-        engine.backward(loss(changing=False))
+        engine.backward(loss(False))

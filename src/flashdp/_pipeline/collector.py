@@ -87,13 +87,15 @@ class NormCollector:
         self.plan, self.batch, self._sums = plan, batch, sums
         self._calls: list[Call | None] = list(calls)
         # (a per-call rule's outputs kept with its call: it compares its re-run with them, else runs the forward)
-        kept = [c if plan.site(c.module).match.rule.per_call else c.without_outputs() for c in calls]
-        self._kept: list[Call] = kept if keep_calls else []
+        self._kept: list[Call] = (
+            [c if plan.site(c.module).match.rule.per_call else c.without_outputs() for c in calls] if keep_calls else []
+        )
         #: per call, its gradients' fingerprint (`_fingerprint`), where the calls are kept for a second pass
         self.fingerprints: list[Tensor | None] = [None] * len(calls) if keep_calls else []
         self._expected = fingerprints
+        self._fingerprinting = keep_calls or fingerprints is not None
         #: calls whose inputs a checkpoint recomputes in each pass (fingerprinted too: a pass may recompute others)
-        self._recomputed = {i for i, c in enumerate(calls) if c.packed}
+        self._recomputed = {i for i, c in enumerate(calls) if c.packed} if self._fingerprinting else set()
         self._matched: dict[int, Tensor] = {}  # call -> whether its gradients' fingerprint is the first pass's
         self._strategy, self._keep_for_sum, self._backend = strategy, keep_for_sum, backend
         self._recorder, self._shared = recorder, shared or {}
@@ -149,7 +151,9 @@ class NormCollector:
             with call.as_called():
                 per_sample = self._per_sample(index, site, call, grads, dims)
             # (a second pass sums factored contributions alone: the others' rows are kept from this one)
-            if self._expected is not None or any(isinstance(g, _FACTORED) for g in per_sample.values()):
+            if self._fingerprinting and (
+                self._expected is not None or any(isinstance(g, _FACTORED) for g in per_sample.values())
+            ):
                 self._fingerprint(index, call, grads, dims)
             if any(isinstance(g, DeferredOuterGrad) for g in per_sample.values()):
                 per_sample = {name: _as_called_later(g, call.attributes) for name, g in per_sample.items()}
@@ -166,8 +170,6 @@ class NormCollector:
         """Record call `index`'s fingerprint (a first pass), or compare it with the first pass's: its output
         gradients' row by row (`dims`: their batch dims), its shared outputs' per-sample gradients, and, where a
         checkpoint recomputes them, its inputs."""
-        if not self.fingerprints and self._expected is None:
-            return
         # (as the rule reads them: an output recorded through the tensor it views, such as attention's [L * B, E]
         # for its [L, B, E], in the output's shape, where its batch dim is)
         metas = call.output_meta
@@ -182,6 +184,14 @@ class NormCollector:
         expected = self._expected[index]
         same_shape = expected is not None and expected.shape == found.shape
         self._matched[index] = (found == expected).all() if same_shape else found.new_zeros((), dtype=torch.bool)
+
+    def _all_matched(self, parts: list[_Part]) -> Tensor | None:
+        """Whether every call of a parameter received the first pass's gradients (a device bool); None where none
+        was compared."""
+        matched = [self._matched[p.call_index] for p in parts if p.call_index in self._matched]
+        if not matched:
+            return None
+        return matched[0] if len(matched) == 1 else torch.stack(matched).all()
 
     def _shared_per_sample(self, index: int) -> dict[int, Tensor]:
         """The per-sample gradients of call `index`'s outputs shared across the batch, by output."""
@@ -204,10 +214,7 @@ class NormCollector:
         for part in sorted(parts, key=lambda p: p.call_index) if len(parts) > 1 else parts:
             gradient.add(part.grad, part.source, generic=part.generic)
         if self._sums is not None:
-            matched = [self._matched[p.call_index] for p in parts if p.call_index in self._matched]
-            self._sums(
-                param, gradient, (matched[0] if len(matched) == 1 else torch.stack(matched).all()) if matched else None
-            )
+            self._sums(param, gradient, self._all_matched(parts))
             return
         if self._keep_gradients:
             self.gradients[key] = gradient

@@ -366,3 +366,42 @@ def test_each_self_check_draws_its_projections_anew():
             engine.backward(per_sample_loss(model(torch.randn(4, 5, 3))))
             model.zero_grad()
     assert len(seeds) == 3 and len(set(seeds)) == 3, seeds
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("margin", [60.0, 100.0], ids=["squares-subnormal", "squares-zero"])
+def test_samples_fit_so_well_that_float32_squares_underflow_pass(mode, margin):
+    """A classifier whose every sample is fit with a logit margin of 60-100 (late training): each sample's gradient
+    is about e^-margin (1e-26 to 1e-44), whose float32 squares are subnormal or 0, so the counted norms lose their
+    digits or are 0 where autograd's float64 norms are not. Clipping cannot add more than C from such a sample
+    whatever its counted norm: the self-check must not refuse it, on any step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    with torch.no_grad():
+        model[2].weight.mul_(0.1)
+        model[2].bias.copy_(torch.tensor([margin, 0.0, 0.0]))
+    x, y = torch.randn(4, 6), torch.zeros(4, dtype=torch.long)
+    with _engine(model, mode=mode, self_check=1) as engine:
+        for _ in range(3):
+            model.zero_grad()
+            norms = engine.backward(nn.functional.cross_entropy(model(x), y, reduction="none"))
+    assert (norms < 1e-20).all()
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize(("scale", "max_grad_norm"), [(1e-12, 1.0), (1e-16, 1e-17)])
+def test_a_rule_that_drops_a_parameter_is_caught_on_tiny_gradients(mode, scale, max_grad_norm):
+    """The self-check's allowance for float32 squares that underflow is no wider than that: a rule dropping a
+    parameter is caught on samples whose gradients are 1e-12, far below any clipping bound in use, and on smaller
+    ones where the clipping bound is smaller still (the allowance never exceeds the bound's share)."""
+
+    class TinyDropping(Affine):
+        pass
+
+    flashdp.register_rule(
+        TinyDropping, lambda m, inputs, g, trainable: {"weight": (inputs[0] * g).sum(1), "bias": g.sum(1) * 0}
+    )
+    model = TinyDropping(3)
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=max_grad_norm, noise_multiplier=1.0)
+    with engine, pytest.raises(FlashDPError, match=rf"(?s){DIFFERS}.*'bias'"):
+        engine.backward(scale * per_sample_loss(model(torch.randn(4, 5, 3))))

@@ -34,6 +34,11 @@ def clip_coefficients(style: Clipping, group_norms_sq: Tensor, max_grad_norm: fl
     return coef.expand_as(group_norms_sq)
 
 
+def least_bound(style: Clipping, max_grad_norm: float, groups: int) -> float:
+    """The smallest norm any of `groups` clipping groups is clipped to: `C / sqrt(L)` per layer, else C."""
+    return max_grad_norm / groups**0.5 if style == "per_layer" else max_grad_norm
+
+
 def group_norms_sq(norms_sq: list[Tensor], clip_groups: tuple[int, ...], groups: int, batch: int) -> Tensor:
     """`[L, B]` float64 squared norms of the L clipping groups from each parameter's `[B]` squared norms and its
     group: the norms stacked once, placed in an `[L, K, B]` grid (K: the most parameters of one group, in their

@@ -478,7 +478,8 @@ def _finish(
         if unit_gradients is not None:
             rtol = self_check.tolerance(done.dtypes, _in_tf32(graph))
             counted = [self_check.Counted(p.name, p.key, n.norm_sq, n.plan, n.bound_sq) for p, n in norms]
-            self_check.check_per_sample(unit_gradients, counted, rtol)
+            least = clipping.least_bound(parts.settings.clipping, parts.settings.max_grad_norm, groups)
+            self_check.check_per_sample(unit_gradients, counted, rtol, least)
     return Measurement(norms, clip_norms_sq, skipped, again)
 
 

@@ -85,28 +85,42 @@ def _powers_of_two(batch: int, dtypes: Sequence[torch.dtype], generator: torch.G
 PROJECTIONS = 8
 
 
+#: how far, in units of its dtype's smallest subnormal, each element of a sample's rows may be from its exact value
+#: through rounding in the subnormal range (where scaling by a power of two is not exact) on the way to the layer,
+#: accumulations and later amplification included
+SUBNORMAL_MARGIN = 2.0**8
+#: a sample's rows show whose rows they are only where their norm is this many times that rounding
+RESOLVED = 2.0**10
+
+
 @dataclass(frozen=True)
 class RowSketch:
     """One output gradient's rows of each sample, kept as `PROJECTIONS` random bilinear projections `u_k^T X_i v_k`
     (`X_i`: sample i's rows as an `[m, l]` matrix) and their norms, instead of the gradient itself.
 
     A per-sample gradient scales exactly by its power-of-two weight, and so do its projections (the same
-    operations on scaled inputs round alike). Rows that mix samples differ by an error `E_i` of their own size,
-    and the mean square of Gaussian projections of `E_i` is `||E_i||^2`: the check sees it at any realistic
-    tolerance, for `O(B)` numbers held per output rather than the output's gradient."""
+    operations on scaled inputs round alike), down to the subnormal range of its dtype (`slack`). Rows that mix
+    samples differ by an error `E_i` of their own size, and the mean square of Gaussian projections of `E_i` is
+    `||E_i||^2`: the check sees it at any realistic tolerance, for `O(B)` numbers held per output rather than the
+    output's gradient."""
 
     #: `[B, K]` float64
     projections: Tensor
-    #: `[B]` float64: each sample's rows' norm
+    #: `[B]` float64: each sample's rows' norm (taken in float64: float32 squares of values near 1e-20 underflow)
     norms: Tensor
     #: what the directions `u_k`, `v_k` are drawn from, again for the weighted pass (not held meanwhile: `K (m + l)`
     #: numbers per output, more than the rest of the sketch on a long sequence)
     seed: int
+    #: how far a sample's rows of weight 1 may be from exact scaling through subnormal rounding (a sample fit so
+    #: well that its gradient is about 1e-40 in float32): `SUBNORMAL_MARGIN` subnormals per element, in norm
+    slack: float
 
     @staticmethod
     def of(grad: Tensor, shape: torch.Size, dim: int, batch: int, seed: int) -> RowSketch:
         rows = _sample_matrices(grad, shape, dim, batch)
-        return RowSketch(_project(rows, *_directions(rows, seed)), _norms(rows), seed)
+        slack = SUBNORMAL_MARGIN * torch.finfo(grad.dtype).smallest_normal * 2.0 ** -_mantissa_bits(grad.dtype)
+        slack *= math.sqrt(rows[0].numel()) if batch else 0.0
+        return RowSketch(_project(rows, *_directions(rows, seed)), _norms(rows), seed, slack)
 
     def fails(self, weighted: Tensor, shape: torch.Size, dim: int, weights: Tensor, rtol: float) -> bool:
         """Whether the weighted pass's gradient of this output is not `weights[i]` times sample i's rows."""
@@ -115,18 +129,28 @@ class RowSketch:
         error = (_project(rows, *_directions(rows, self.seed)) - expected).square().mean(1).sqrt()
         scale = self.norms * weights + _norms(rows)
         floor = 1e-3 * self.norms.max() * weights  # (relative to the sample's own weight, not the largest)
-        return bool((error > rtol * (scale + floor)).any())
+        return bool((error > rtol * (scale + floor) + self.slack * weights).any())
 
     def passes_with_rows(self, weighted: Tensor, shape: torch.Size, dim: int, weights: Tensor, rtol: float) -> bool:
-        """Whether the gradient has non-zero rows and passes (`fails`): evidence for this reading, where a zero
+        """Whether the gradient has rows it resolves and passes (`fails`): evidence for this reading, where a zero
         gradient (an output the loss does not read) passes any."""
-        return bool((self.norms > 0).any()) and not self.fails(weighted, shape, dim, weights, rtol)
+        return bool(self._resolved.any()) and not self.fails(weighted, shape, dim, weights, rtol)
 
     @property
     def every_sample_seen(self) -> bool:
-        """Whether every sample's rows were non-zero: a sample whose rows are all zero shows nothing about which
-        rows are its own (rows of another sample mixed with zeros scale like its own)."""
-        return bool((self.norms > 0).all())
+        """Whether every sample's rows were resolved (`RESOLVED` times their `slack`): a sample whose rows are all
+        zero, or all rounding near underflow, shows nothing about which rows are its own (rows of another sample
+        mixed with zeros scale like its own)."""
+        return bool(self._resolved.all())
+
+    @property
+    def _resolved(self) -> Tensor:
+        return self.norms > RESOLVED * self.slack  # (slack 0: rows not all zero)
+
+
+def _mantissa_bits(dtype: torch.dtype) -> int:
+    """Stored mantissa bits: the subnormals of `dtype` are multiples of `smallest_normal * 2^-bits`."""
+    return round(-math.log2(torch.finfo(dtype).eps))
 
 
 def sketch_output_gradients(
@@ -218,8 +242,19 @@ def _project(rows: Tensor, left: Tensor, right: Tensor) -> Tensor:
     return ((rows @ right) * left).sum(1).double()
 
 
+#: elements a float64 copy holds at once in `_norms`
+_NORMS_CHUNK = 1 << 20
+
+
 def _norms(rows: Tensor) -> Tensor:
-    return rows.flatten(1).norm(dim=1).double()
+    """`[B]` float64 norms of `[B, ...]` rows, from float64 squares (float32 squares of values below about 1e-19
+    underflow), a chunk of `_NORMS_CHUNK` elements copied at a time (never the whole gradient in float64)."""
+    flat = rows.flatten(1)
+    width = max(1, _NORMS_CHUNK // max(1, flat.shape[0]))
+    if flat.dtype == torch.float64 or flat.shape[1] <= width:
+        return torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
+    chunks = flat.split(width, dim=1)
+    return sum(torch.linalg.vector_norm(c, dim=1, dtype=torch.float64).square() for c in chunks).sqrt()
 
 
 def batch_independence_error(failing: Sequence[str], every: Sequence[str]) -> FlashDPError:
@@ -360,11 +395,14 @@ def project(gradient: Tensor, seed: int) -> Tensor:
     return ((matrix.to(dtype) @ right) * left).sum(0).double()
 
 
-def check_per_sample(gradients: Sequence[UnitGradient], counted: Sequence[Counted], rtol: float) -> None:
+def check_per_sample(
+    gradients: Sequence[UnitGradient], counted: Sequence[Counted], rtol: float, least_bound: float
+) -> None:
     """Raise if, for a checked unit, a parameter's counted gradient differs from autograd's gradient of the sum
     of the unit's losses (`unit_gradients`). The tolerance's floor is relative to the unit's gradient; for a user,
     whose rows may cancel to a gradient of about 0 that both sides round differently, at least to the batch's
-    largest counted one."""
+    largest counted one; and it covers the underflow of the counted squares (`underflow_floor`) up to `rtol`
+    times `least_bound`, the smallest norm any clipping group is clipped to."""
     largest = _largest_counted_norm(counted) if any(len(g.unit.rows) > 1 for g in gradients) else 0.0
     for true in gradients:
         (i, rows, label) = true.unit
@@ -372,7 +410,11 @@ def check_per_sample(gradients: Sequence[UnitGradient], counted: Sequence[Counte
         if not math.isfinite(total):  # a non-finite gradient: the nonfinite policy's, not a disagreement
             continue
         scale = total if len(rows) == 1 else max(total, largest)
-        problems = [p for c in counted if (p := _disagreement(c, true, i, rtol, scale))]
+        problems = [
+            p
+            for c in counted
+            if (p := _disagreement(c, true, i, rtol, rtol * scale + min(underflow_floor(c), rtol * least_bound)))
+        ]
         if problems:
             raise FlashDPError(
                 f"Self-check failed for {label}: what flashdp counted differs from autograd's per-sample "
@@ -400,10 +442,18 @@ def _cancelling_slack(counted: Counted, i: int, norm: float) -> float:
     return margin if margin >= norm else 0.0
 
 
-def _disagreement(counted: Counted, true: UnitGradient, i: int, rtol: float, scale: float) -> str | None:
+def underflow_floor(counted: Counted) -> float:
+    """How far a counted norm may be from the true one where its squares (or a ghost norm's inner products) fall
+    below the smallest normal number of their dtype and lose their digits (float32: elements below about 1e-19,
+    such as a sample fit so well that its gradient is 1e-30): `2^20 sqrt(tiny)` (float32: 1.1e-13), which bounds
+    that loss for up to 2^40 squares or large activations' inner products. No sample's clipped gradient can exceed
+    C through it where C is above it (`check_per_sample` takes the smaller of it and the bound's share)."""
+    return 2.0**20 * math.sqrt(torch.finfo(counted.norm_sq.dtype).tiny)
+
+
+def _disagreement(counted: Counted, true: UnitGradient, i: int, rtol: float, floor: float) -> str | None:
     true_norm = true.norms[counted.key]
     norm = math.sqrt(max(float(counted.norm_sq[i]), 0.0))
-    floor = rtol * scale
     slack = _cancelling_slack(counted, i, norm)
     if abs(norm - true_norm) > rtol * (norm + true_norm) + floor + slack:
         return f"'{counted.name}': counted norm {norm:.4g}, autograd's {true_norm:.4g}"

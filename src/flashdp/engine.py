@@ -347,14 +347,20 @@ class DPEngine:
         """Remove every hook: the model is plain PyTorch again; the engine cannot clip after this. Until then it
         lives as long as the model, even unreferenced: every optimizer step over its trainable parameters is
         refused. `.grad` keeps what a backward with no step after it left (clipped sums without noise, for
-        inspection): a plain optimizer step would apply them without privacy."""
+        inspection): a plain optimizer step would apply them without privacy. Raises FlashDPError, once detached,
+        where ghost's or flash's second pass of the last backward refused clipped sums (a later backward would
+        have said so)."""
         self._attachment.detach()
+        guards.check_last_sums(self._sums.take_unmatched)
 
     def __enter__(self) -> DPEngine:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.detach()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.detach()
+        else:  # (an error on its way out is the one to see)
+            self._attachment.detach()
 
 
 def _loader(engine: DPEngine, dataset: Dataset, options: dict[str, Any]) -> DataLoader:

@@ -62,6 +62,34 @@ def test_a_hook_returning_another_gradient_when_run_again_adds_nothing_and_is_na
         engine.backward(model(torch.randn(3, 2, 4)) * only_first)
 
 
+@pytest.mark.parametrize("end", ["with", "detach"])
+@pytest.mark.parametrize("mode", TWO_PASSES)
+def test_the_last_backwards_refused_sums_are_named_when_the_engine_is_detached(mode, end):
+    """No backward follows a run's last one: its refused sums are named when the engine is detached (at the end of
+    a `with` block, or by `detach()`), once the hooks are gone; an error already on its way out is left alone."""
+    torch.manual_seed(0)
+    model = HookedHead("count")
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, norm_strategy="ghost")
+    refused = r"second pass .* received other output gradients than its norm pass for"
+    engine.backward(model(torch.randn(3, 2, 4)))  # (the first backward's checks run the hook more than twice)
+    model.changing = True
+    with pytest.raises(FlashDPError, match=refused):
+        if end == "detach":
+            engine.backward(model(torch.randn(3, 2, 4)))
+            engine.detach()
+        else:
+            with engine:
+                engine.backward(model(torch.randn(3, 2, 4)))
+    with pytest.raises(FlashDPError, match="This engine was detached"):
+        engine.backward(model(torch.randn(3, 2, 4)))
+    other = flashdp.make_private(HookedHead("count"), mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    other.backward(other.model(torch.randn(3, 2, 4)))
+    other.model.changing = True
+    with pytest.raises(KeyError), other:
+        other.backward(other.model(torch.randn(3, 2, 4)))
+        raise KeyError("the user's own error")
+
+
 class WritesAGradWhenRunAgain(nn.Module):
     """A hook on an activation that, on the backward's second run over one graph, adds into a parameter's `.grad`."""
 

@@ -106,6 +106,19 @@ def check_loss(loss: object, last_sums: Callable[[], list[tuple[str, Tensor]]] =
     return loss
 
 
+def check_last_sums(last_sums: Callable[[], list[tuple[str, Tensor]]]) -> None:
+    """`check_loss`'s check of the last summing pass where no backward follows (the run's end): raises for the
+    parameters whose gradients were not its norm pass's (one sync)."""
+    summed = last_sums()
+    if not summed:
+        return
+    device = summed[0][1].device
+    matched = torch.stack([m.to(device) for _, m in summed]).tolist()
+    unmatched = [name for (name, _), ok in zip(summed, matched, strict=True) if not ok]
+    if unmatched:
+        raise _unmatched_error(unmatched)
+
+
 def _unmatched_error(names: list[str]) -> FlashDPError:
     return FlashDPError(
         f"The last engine.backward's second pass (ghost and flash run the norm pass again for the clipped sums) "

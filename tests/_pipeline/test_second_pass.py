@@ -256,3 +256,22 @@ def _adds_at_most_c_and_is_named(engine, model: nn.Module, loss: Callable[[bool]
     assert _grad_norm(model) <= 1.0 + 1e-5
     with pytest.raises(FlashDPError, match="received other output gradients than its norm pass"):
         engine.backward(loss(False))
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_fingerprints_of_a_transposed_layout_tell_rows_apart_and_read_them_in_place(dim):
+    """An output gradient stored transposed (a loss reading logits `[B, T, V]` through `.transpose(1, 2)` leaves
+    theirs so) is fingerprinted row by row along its batch dim without being copied, and still tells a swap of two
+    rows or one changed element apart."""
+    from flashdp._pipeline.collector import _rows_in_memory_order, fingerprint
+
+    grad = torch.randn(4, 6, 5).transpose(1, 2)  # [4, 5, 6], stored as [4, 6, 5]
+    grad = grad if dim == 0 else grad.transpose(0, 1)  # the batch in dim 1: [5, 4, 6]
+    assert _rows_in_memory_order(grad, dim).data_ptr() == grad.data_ptr() and not grad.is_contiguous()
+    swapped = grad.index_select(dim, torch.tensor([1, 0, 2, 3]))
+    changed = grad.clone()
+    changed.select(dim, 2)[1, 1] += 1e-6
+    found = fingerprint([(grad, dim)])
+    assert torch.equal(found, fingerprint([(grad.clone(), dim)]))
+    assert not torch.equal(found, fingerprint([(swapped, dim)]))
+    assert not torch.equal(found, fingerprint([(changed, dim)]))

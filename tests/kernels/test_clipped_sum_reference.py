@@ -17,11 +17,18 @@ from tests.oracle import seeded
     p=st.integers(1, 6),  # (p < d scales the left factor, p > d the right one)
     d=st.integers(1, 6),
     seed=st.integers(0, 2**16),
+    layouts=st.tuples(*[st.sampled_from(["rows", "transposed"])] * 2),
 )
-def test_reference_clipped_sum_is_the_weighted_sum_of_per_sample_products(batch, conv_groups, t, p, d, seed):
+def test_reference_clipped_sum_is_the_weighted_sum_of_per_sample_products(batch, conv_groups, t, p, d, seed, layouts):
+    """Also with factors of transposed layout (each row's `[t, k]` stored as `[k, t]`, as a loss reading logits
+    through `.transpose(1, 2)` leaves their gradient), which are not one matrix without a copy."""
     g = seeded(seed)
-    left = torch.randn(batch * conv_groups, t, p, generator=g, dtype=torch.float64)
-    right = torch.randn(batch * conv_groups, t, d, generator=g, dtype=torch.float64)
+    left, right = (
+        torch.randn(batch * conv_groups, t, k, generator=g, dtype=torch.float64)
+        if layout == "rows"
+        else torch.randn(batch * conv_groups, k, t, generator=g, dtype=torch.float64).transpose(1, 2)
+        for k, layout in zip((p, d), layouts, strict=True)
+    )
     coef = torch.rand(batch, generator=g, dtype=torch.float64)
     expected = torch.zeros(conv_groups, p, d, dtype=torch.float64)
     for b in range(batch):

@@ -405,3 +405,38 @@ def test_a_rule_that_drops_a_parameter_is_caught_on_tiny_gradients(mode, scale, 
     engine = flashdp.make_private(model, mode=mode, max_grad_norm=max_grad_norm, noise_multiplier=1.0)
     with engine, pytest.raises(FlashDPError, match=rf"(?s){DIFFERS}.*'bias'"):
         engine.backward(scale * per_sample_loss(model(torch.randn(4, 5, 3))))
+
+
+class MixingInTheBackward(nn.Module):
+    """Exact forward; in the backward, where the inputs' last feature is 1, row i - 1 of the first layer's output
+    gradient also receives row i's (a straight-through term)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d, bias=False), nn.Linear(d, 1, bias=False)
+        self.b.weight.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        rolled = (h * x[:, -1:]).roll(1, 0)
+        return self.b(h + (rolled - rolled.detach())).squeeze(1)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_samples_mixing_at_float16s_subnormal_scale_are_caught(mode):
+    """(A breaker's finding: the allowance for subnormal rounding was 2^8 float16 subnormals per element, 1.5e-5,
+    so in float16 rows of another sample mixed in at that size passed and one sample added 2 C.) The allowance is
+    capped far below any gradient that matters: float16 gets none."""
+    torch.manual_seed(0)
+    model = MixingInTheBackward(64).half()
+    only_first = torch.tensor([1e-4, 0, 0, 0], dtype=torch.half)
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1e-5, noise_multiplier=0.0) as engine:
+        for flag in (0.0, 1.0):
+            x = torch.randn(4, 64)
+            x[3], x[:, -1] = x[0], flag
+            model.zero_grad()
+            if flag:
+                with pytest.raises(FlashDPError, match="not separable by sample"):
+                    engine.backward(model(x.half()) * only_first)
+            else:
+                engine.backward(model(x.half()) * only_first)

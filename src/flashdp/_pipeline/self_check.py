@@ -89,6 +89,10 @@ PROJECTIONS = 8
 #: through rounding in the subnormal range (where scaling by a power of two is not exact) on the way to the layer,
 #: accumulations and later amplification included
 SUBNORMAL_MARGIN = 2.0**8
+#: the most that allowance may be per element, whatever the dtype: far below any gradient that matters (float32's and
+#: bfloat16's subnormals are within it; float16's, 6e-8 to 6e-5, are not, and get none: rows of other samples mixed
+#: in at that size would pass, and a float16 model trained without loss scaling has gradients there)
+SUBNORMAL_SLACK_CAP = 2.0**-120
 #: a sample's rows show whose rows they are only where their norm is this many times that rounding
 RESOLVED = 2.0**10
 
@@ -112,14 +116,15 @@ class RowSketch:
     #: numbers per output, more than the rest of the sketch on a long sequence)
     seed: int
     #: how far a sample's rows of weight 1 may be from exact scaling through subnormal rounding (a sample fit so
-    #: well that its gradient is about 1e-40 in float32): `SUBNORMAL_MARGIN` subnormals per element, in norm
+    #: well that its gradient is about 1e-40 in float32): `SUBNORMAL_MARGIN` subnormals per element (at most
+    #: `SUBNORMAL_SLACK_CAP`), in norm
     slack: float
 
     @staticmethod
     def of(grad: Tensor, shape: torch.Size, dim: int, batch: int, seed: int) -> RowSketch:
         rows = _sample_matrices(grad, shape, dim, batch)
-        slack = SUBNORMAL_MARGIN * torch.finfo(grad.dtype).smallest_normal * 2.0 ** -_mantissa_bits(grad.dtype)
-        slack *= math.sqrt(rows[0].numel()) if batch else 0.0
+        subnormal = torch.finfo(grad.dtype).smallest_normal * 2.0 ** -_mantissa_bits(grad.dtype)
+        slack = min(SUBNORMAL_MARGIN * subnormal, SUBNORMAL_SLACK_CAP) * (math.sqrt(rows[0].numel()) if batch else 0.0)
         return RowSketch(_project(rows, *_directions(rows, seed)), _norms(rows), seed, slack)
 
     def fails(self, weighted: Tensor, shape: torch.Size, dim: int, weights: Tensor, rtol: float) -> bool:

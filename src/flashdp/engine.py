@@ -102,8 +102,7 @@ class DPEngine:
         generator, attached = torch.Generator().manual_seed(0), self._attachment
         self._parts = Parts(
             settings, self._adapter, self._timer, attached.recorder, lambda: self._adapter.named_parameters(model),
-            norm_group, generator,
-            attached.grad_writes, {},
+            norm_group, generator, attached.grad_writes, {},
         )  # fmt: skip
         self._backward_calls = 0
         self._skipped_samples = 0
@@ -344,12 +343,10 @@ class DPEngine:
     # -- lifecycle ----------------------------------------------------------------------------------------
 
     def detach(self) -> None:
-        """Remove every hook: the model is plain PyTorch again; the engine cannot clip after this. Until then it
-        lives as long as the model, even unreferenced: every optimizer step over its trainable parameters is
-        refused. `.grad` keeps what a backward with no step after it left (clipped sums without noise, for
-        inspection): a plain optimizer step would apply them without privacy. Raises FlashDPError, once detached,
-        where ghost's or flash's second pass of the last backward refused clipped sums (a later backward would
-        have said so)."""
+        """Remove every hook: the model is plain PyTorch again and the engine cannot clip. Until then it lives as long
+        as the model, even unreferenced: every optimizer step over its trainable parameters is refused. `.grad` keeps
+        what a backward with no step after it left (clipped sums, no noise): a plain optimizer step would apply them
+        without privacy. Raises, detached, where the last backward's second pass (ghost, flash) refused sums."""
         self._attachment.detach()
         guards.check_last_sums(self._sums.take_unmatched)
 
@@ -357,10 +354,7 @@ class DPEngine:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if exc_type is None:
-            self.detach()
-        else:  # (an error on its way out is the one to see)
-            self._attachment.detach()
+        self.detach() if exc_type is None else self._attachment.detach()  # (an error on its way out comes first)
 
 
 def _loader(engine: DPEngine, dataset: Dataset, options: dict[str, Any]) -> DataLoader:

@@ -110,7 +110,7 @@ class RowSketch:
 
     #: `[B, K]` float64
     projections: Tensor
-    #: `[B]` float64: each sample's rows' norm (taken in float64: float32 squares of values near 1e-20 underflow)
+    #: `[B]` float64: each sample's rows' norm (at least their largest magnitude: `_norms`)
     norms: Tensor
     #: what the directions `u_k`, `v_k` are drawn from, again for the weighted pass (not held meanwhile: `K (m + l)`
     #: numbers per output, more than the rest of the sketch on a long sequence)
@@ -247,19 +247,12 @@ def _project(rows: Tensor, left: Tensor, right: Tensor) -> Tensor:
     return ((rows @ right) * left).sum(1).double()
 
 
-#: elements a float64 copy holds at once in `_norms`
-_NORMS_CHUNK = 1 << 20
-
-
 def _norms(rows: Tensor) -> Tensor:
-    """`[B]` float64 norms of `[B, ...]` rows, from float64 squares (float32 squares of values below about 1e-19
-    underflow), a chunk of `_NORMS_CHUNK` elements copied at a time (never the whole gradient in float64)."""
+    """`[B]` float64 norms of `[B, ...]` rows; where the float32 squares of a row underflow (values below about
+    1e-19), its largest magnitude instead, a lower bound of its norm (reductions only: no copy of the gradient)."""
     flat = rows.flatten(1)
-    width = max(1, _NORMS_CHUNK // max(1, flat.shape[0]))
-    if flat.dtype == torch.float64 or flat.shape[1] <= width:
-        return torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64)
-    chunks = flat.split(width, dim=1)
-    return sum(torch.linalg.vector_norm(c, dim=1, dtype=torch.float64).square() for c in chunks).sqrt()
+    largest = torch.maximum(flat.amax(1), -flat.amin(1)) if flat.shape[1] else flat.new_zeros(flat.shape[0])
+    return torch.maximum(torch.linalg.vector_norm(flat, dim=1), largest).double()
 
 
 def batch_independence_error(failing: Sequence[str], every: Sequence[str]) -> FlashDPError:

@@ -17,14 +17,17 @@ def clipped_sum(left: Tensor, right: Tensor, coef: Tensor, conv_groups: int = 1)
     R_b)` where d < p: an MLP's up-projection scales its input, not its 4x wider output gradient), then one GEMM per
     group."""
     dtype = accumulation_dtype(left, right)
-    rows = coef.to(dtype).repeat_interleave(conv_groups)[:, None, None]
+    rows = coef.to(dtype)
+    rows = (rows if conv_groups == 1 else rows.repeat_interleave(conv_groups))[:, None, None]
     left, right = left.to(dtype), right.to(dtype)
     if right.shape[-1] < left.shape[-1]:
         right = right * rows
     else:
         left = left * rows
-    if conv_groups == 1 and not (_rows_merge(left) and _rows_merge(right)):
-        return _summed_by_sample(left, right)
+    if conv_groups == 1:  # (one GEMM of the rows; plain reshapes: this runs per parameter and call)
+        if not (_rows_merge(left) and _rows_merge(right)):
+            return _summed_by_sample(left, right)
+        return (left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, right.shape[-1]))[None]
     by_group = "(b g) t k -> g (b t) k"
     return torch.bmm(
         rearrange(left, by_group, g=conv_groups).transpose(1, 2), rearrange(right, by_group, g=conv_groups)

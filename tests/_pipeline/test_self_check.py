@@ -440,3 +440,22 @@ def test_samples_mixing_at_float16s_subnormal_scale_are_caught(mode):
                     engine.backward(model(x.half()) * only_first)
             else:
                 engine.backward(model(x.half()) * only_first)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("size", [1e15, 1e20])
+def test_samples_mixing_in_output_gradients_too_large_for_float32_squares_are_caught(mode, size):
+    """(A breaker's finding: the rows' float32 norms overflowed past 1.8e19, with the weighted pass's 2^15 already
+    at 6e14, and an infinite tolerance passed rows mixing samples: one sample added 2 C.) Output gradients of size
+    `size` over inputs of 1 / `size` (parameter gradients of order 1); sample 1's loss also flows into sample 0's
+    rows, in the backward only."""
+    model = nn.Linear(3, 3, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(3))
+    weights = torch.full((16,), size)
+    weights[0] = 0
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None) as engine:
+        h = model(torch.full((16, 3), 1 / size))
+        mixed = torch.zeros_like(h).index_put((torch.tensor([1]),), (h[0] - h[0].detach())[None])
+        with pytest.raises(FlashDPError, match="not separable by sample"):
+            engine.backward((h + mixed).sum(1) * weights)

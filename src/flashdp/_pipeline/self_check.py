@@ -132,9 +132,13 @@ class RowSketch:
         rows = _sample_matrices(weighted, shape, dim, weights.shape[0])
         expected = self.projections * weights[:, None]
         error = (_project(rows, *_directions(rows, self.seed)) - expected).square().mean(1).sqrt()
-        scale = self.norms * weights + _norms(rows)
+        weighted_norms = _norms(rows)
+        scale = self.norms * weights + weighted_norms
         floor = 1e-3 * self.norms.max() * weights  # (relative to the sample's own weight, not the largest)
-        return bool((error > rtol * (scale + floor) + self.slack * weights).any())
+        failed = error > rtol * (scale + floor) + self.slack * weights
+        # (finite rows whose projections overflowed fail: a NaN error passes no comparison)
+        failed |= ~torch.isfinite(error) & torch.isfinite(self.norms) & torch.isfinite(weighted_norms)
+        return bool(failed.any())
 
     def passes_with_rows(self, weighted: Tensor, shape: torch.Size, dim: int, weights: Tensor, rtol: float) -> bool:
         """Whether the gradient has rows it resolves and passes (`fails`): evidence for this reading, where a zero
@@ -249,10 +253,13 @@ def _project(rows: Tensor, left: Tensor, right: Tensor) -> Tensor:
 
 def _norms(rows: Tensor) -> Tensor:
     """`[B]` float64 norms of `[B, ...]` rows; where the float32 squares of a row underflow (values below about
-    1e-19), its largest magnitude instead, a lower bound of its norm (reductions only: no copy of the gradient)."""
+    1e-19) or overflow (a norm above about 1.8e19, which made the tolerance infinite: a breaker's rows mixing
+    samples passed), its largest magnitude instead, a lower bound of its norm (reductions only: no copy of the
+    gradient). A row holding inf or NaN has that norm."""
     flat = rows.flatten(1)
     largest = torch.maximum(flat.amax(1), -flat.amin(1)) if flat.shape[1] else flat.new_zeros(flat.shape[0])
-    return torch.maximum(torch.linalg.vector_norm(flat, dim=1), largest).double()
+    norm = torch.linalg.vector_norm(flat, dim=1)
+    return torch.where(torch.isinf(norm) & torch.isfinite(largest), largest, torch.maximum(norm, largest)).double()
 
 
 def batch_independence_error(failing: Sequence[str], every: Sequence[str]) -> FlashDPError:

@@ -27,11 +27,16 @@ def clipped_sum(left: Tensor, right: Tensor, coef: Tensor, conv_groups: int = 1)
     if conv_groups == 1:  # (one GEMM of the rows; plain reshapes: this runs per parameter and call)
         if not (_rows_merge(left) and _rows_merge(right)):
             return _summed_by_sample(left, right)
-        return (left.reshape(-1, left.shape[-1]).T @ right.reshape(-1, right.shape[-1]))[None]
+        return (_as_rows(left).T @ _as_rows(right))[None]
     by_group = "(b g) t k -> g (b t) k"
     return torch.bmm(
         rearrange(left, by_group, g=conv_groups).transpose(1, 2), rearrange(right, by_group, g=conv_groups)
     )
+
+
+def _as_rows(x: Tensor) -> Tensor:
+    """`[N, T, k]` -> `[N * T, k]` (sizes given: k or N * T may be 0)."""
+    return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
 
 
 def _rows_merge(x: Tensor) -> bool:

@@ -263,11 +263,12 @@ def test_row_sketches_pass_scaled_rows_exactly_and_catch_mixed_ones(shape, dim, 
     by_sample = by_sample.reshape(batch, -1, *by_sample.shape[1:])  # (folded rows: k per sample)
     scale = weights.to(dtype).reshape(batch, *[1] * (by_sample.dim() - 1))
     scaled = (by_sample * scale).reshape(grad.movedim(dim, 0).shape).movedim(0, dim)
-    assert not sketch.fails(scaled, torch.Size(shape), dim, weights, rtol=0.0)
+    floors = self_check.sample_floors([(sketch,)], batch, grad.device)
+    assert not sketch.fails(scaled, torch.Size(shape), dim, weights, rtol=0.0, floor=floors)
     mixed = by_sample * scale
     mixed[1] = mixed[2]  # sample 1's rows are another sample's
     mixed = mixed.reshape(grad.movedim(dim, 0).shape).movedim(0, dim)
-    assert sketch.fails(mixed, torch.Size(shape), dim, weights, rtol=self_check.tolerance([dtype]))
+    assert sketch.fails(mixed, torch.Size(shape), dim, weights, rtol=self_check.tolerance([dtype]), floor=floors)
 
 
 @pytest.mark.parametrize("wrong", ["negated", "rows swapped", "one entry off"])
@@ -459,3 +460,21 @@ def test_samples_mixing_in_output_gradients_too_large_for_float32_squares_are_ca
         mixed = torch.zeros_like(h).index_put((torch.tensor([1]),), (h[0] - h[0].detach())[None])
         with pytest.raises(FlashDPError, match="not separable by sample"):
             engine.backward((h + mixed).sum(1) * weights)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_large_sample_hides_no_mixing_between_others(mode, dtype):
+    """(A breaker's finding: the error floor was relative to the batch's largest sample, so one sample 1e6 times
+    the others (1e4 in bfloat16) let sample 1's loss flow into sample 0's rows unseen: sample 1 added 2 C.) The
+    floor is each sample's own."""
+    model = nn.Linear(3, 3, bias=False).to(dtype)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(3))
+    weights = torch.ones(16)
+    weights[0], weights[15] = 0, 1e8 if dtype == torch.float32 else 1e5
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None) as engine:
+        h = model(torch.ones(16, 3, dtype=dtype))
+        mixed = torch.zeros_like(h).index_put((torch.tensor([1]),), (h[0] - h[0].detach())[None])
+        with pytest.raises(FlashDPError, match="not separable by sample"):
+            engine.backward((h + mixed).sum(1) * weights.to(dtype))

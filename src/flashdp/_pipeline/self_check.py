@@ -127,23 +127,25 @@ class RowSketch:
         slack = min(SUBNORMAL_MARGIN * subnormal, SUBNORMAL_SLACK_CAP) * (math.sqrt(rows[0].numel()) if batch else 0.0)
         return RowSketch(_project(rows, *_directions(rows, seed)), _norms(rows), seed, slack)
 
-    def fails(self, weighted: Tensor, shape: torch.Size, dim: int, weights: Tensor, rtol: float) -> bool:
-        """Whether the weighted pass's gradient of this output is not `weights[i]` times sample i's rows."""
+    def fails(self, weighted: Tensor, shape: torch.Size, dim: int, weights: Tensor, rtol: float, floor: Tensor) -> bool:
+        """Whether the weighted pass's gradient of this output is not `weights[i]` times sample i's rows. `floor`
+        `[B]`: each sample's own scale, below which the relative error is taken of it (`sample_floors`)."""
         rows = _sample_matrices(weighted, shape, dim, weights.shape[0])
         expected = self.projections * weights[:, None]
         error = (_project(rows, *_directions(rows, self.seed)) - expected).square().mean(1).sqrt()
         weighted_norms = _norms(rows)
         scale = self.norms * weights + weighted_norms
-        floor = 1e-3 * self.norms.max() * weights  # (relative to the sample's own weight, not the largest)
-        failed = error > rtol * (scale + floor) + self.slack * weights
+        failed = error > rtol * (scale + floor * weights) + self.slack * weights
         # (finite rows whose projections overflowed fail: a NaN error passes no comparison)
         failed |= ~torch.isfinite(error) & torch.isfinite(self.norms) & torch.isfinite(weighted_norms)
         return bool(failed.any())
 
-    def passes_with_rows(self, weighted: Tensor, shape: torch.Size, dim: int, weights: Tensor, rtol: float) -> bool:
+    def passes_with_rows(
+        self, weighted: Tensor, shape: torch.Size, dim: int, weights: Tensor, rtol: float, floor: Tensor
+    ) -> bool:
         """Whether the gradient has rows it resolves and passes (`fails`): evidence for this reading, where a zero
         gradient (an output the loss does not read) passes any."""
-        return bool(self._resolved.any()) and not self.fails(weighted, shape, dim, weights, rtol)
+        return bool(self._resolved.any()) and not self.fails(weighted, shape, dim, weights, rtol, floor)
 
     @property
     def every_sample_seen(self) -> bool:
@@ -204,6 +206,7 @@ def batch_independence_failures(
         weights = users.per_row(_powers_of_two(users.count, dtypes, generator).to(loss.device))
     with torch.enable_grad():
         weighted_loss = loss * weights.to(loss.dtype)
+    floors = sample_floors(sketches, loss.shape[0], loss.device)
     failing: list[int] = []
     passing_elsewhere: list[int] = []
     others = (other_layouts or {}) if users is None else {}  # (rows of one user share a weight: any dim passes)
@@ -216,15 +219,27 @@ def batch_independence_failures(
         ):
             if sketch is None or grad is None:
                 continue
-            if sketch.fails(grad, meta.shape, dim, weights, rtol):
+            if sketch.fails(grad, meta.shape, dim, weights, rtol, floors):
                 failing.append(index)
                 return
             readings = others.get((index, j), ())
-            if any(other.passes_with_rows(grad, shape, d, weights, rtol) for shape, d, other in readings):
+            if any(other.passes_with_rows(grad, shape, d, weights, rtol, floors) for shape, d, other in readings):
                 passing_elsewhere.append(index)
 
     stream_output_gradients(LossGraph(weighted_loss), list(calls), compare, held=(), retain_graph=True)
     return sorted(failing), sorted(set(passing_elsewhere))
+
+
+def sample_floors(sketches: Sequence[tuple[RowSketch | None, ...]], batch: int, device: torch.device) -> Tensor:
+    """`[B]` float64: `1e-3` times each sample's largest rows' norm over every sketched output: the scale below
+    which a sample's rows in one layer are compared as if they were that large (rows that cancel to about 0 in one
+    layer round like the sample's rows elsewhere). The sample's own, never another's: relative to the batch's
+    largest sample, a breaker's sample 1e6 times the others in float32 let rows of one sample mixed into another's
+    pass, and one sample added 2 C."""
+    norms = [sketch.norms for row in sketches for sketch in row if sketch is not None]
+    if not norms:
+        return torch.zeros(batch, dtype=torch.float64, device=device)
+    return 1e-3 * torch.stack(norms).amax(0).to(device)
 
 
 def _sample_matrices(grad: Tensor, shape: torch.Size, dim: int, batch: int) -> Tensor:

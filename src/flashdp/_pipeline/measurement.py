@@ -499,15 +499,18 @@ def summing_pass(
     rules' recomputations are those the norm pass checked (the same inputs, the same replayed random state): not
     checked again (a device sync)."""
     plan = known.plan
-    kept = [
-        (c, f)
-        for c, f in kept
-        if any(plan.param_of[(id(c.module), n)].key in wanted for n in plan.site(c.module).trainable)
+    counting = [
+        any(plan.param_of[(id(c.module), n)].key in wanted for n in plan.site(c.module).trainable) for c, _ in kept
     ]
+    # (a call left out still has its packed inputs recomputed by its checkpointed region in this pass, held until
+    # unpacked: dropped as the pass reaches it, or each region's recomputation would live to the end of the pass)
+    left_out = [c for (c, _), counts in zip(kept, counting, strict=True) if not counts]
+    kept = [pair for pair, counts in zip(kept, counting, strict=True) if counts]
     if kept:
         calls, fingerprints = [c for c, _ in kept], [f for _, f in kept]
         keeps = Keeps(graph=False, plans=False, for_overflow={})
-        _norm_pass(parts, known, graph, calls, keeps, sums=sums, fingerprints=fingerprints).collector.finish()
+        with releasing_packed_inputs(left_out):
+            _norm_pass(parts, known, graph, calls, keeps, sums=sums, fingerprints=fingerprints).collector.finish()
 
 
 def _float64_norms(

@@ -97,9 +97,7 @@ def check_loss(loss: object, last_sums: Callable[[], list[tuple[str, Tensor]]] =
     # (a sync, before the forward's calls are taken: a refused loss leaves the forward to a backward on a fixed one)
     finite, summed = torch.isfinite(loss.detach()), last_sums()
     all_finite, *matched = torch.stack([finite.all(), *(m.to(loss.device) for _, m in summed)]).tolist()
-    unmatched = [name for (name, _), ok in zip(summed, matched, strict=True) if not ok]
-    if unmatched:
-        raise _unmatched_error(unmatched)
+    _raise_unmatched(summed, matched)
     if not all_finite:
         bad = torch.nonzero(~finite).flatten().tolist()
         raise FlashDPError(f"Non-finite per-sample losses at batch indices {bad[:20]}: fix them before clipping.")
@@ -113,7 +111,12 @@ def check_last_sums(last_sums: Callable[[], list[tuple[str, Tensor]]]) -> None:
     if not summed:
         return
     device = summed[0][1].device
-    matched = torch.stack([m.to(device) for _, m in summed]).tolist()
+    _raise_unmatched(summed, torch.stack([m.to(device) for _, m in summed]).tolist())
+
+
+def _raise_unmatched(summed: list[tuple[str, Tensor]], matched: list[bool]) -> None:
+    """Raise naming the parameters of `summed` whose flag, read as `matched`, says their gradients were not the
+    norm pass's."""
     unmatched = [name for (name, _), ok in zip(summed, matched, strict=True) if not ok]
     if unmatched:
         raise _unmatched_error(unmatched)

@@ -252,12 +252,16 @@ def test_a_failed_verification_leaves_nothing_learnt(mode):
     ids=["batch-first", "time-major", "folded-rows", "one-value", "trailing-1", "4-d"],
 )
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_row_sketches_pass_scaled_rows_exactly_and_catch_mixed_ones(shape, dim, dtype):
-    """The weighted pass's gradient of a per-sample output is each sample's rows times its power of two: the
-    sketch's error is then exactly 0. Rows that are another sample's are caught at every tolerance the check uses."""
+@pytest.mark.parametrize("down", [False, True], ids=["weights-up", "weights-down"])
+def test_row_sketches_pass_scaled_rows_exactly_and_catch_mixed_ones(shape, dim, dtype, down):
+    """The weighted pass's gradient of a per-sample output is each sample's rows times its power of two (at least 1,
+    or at most 1 where rows would overflow): the sketch's error is then exactly 0. Rows that are another sample's
+    are caught at every tolerance the check uses."""
     batch = 6
     grad = torch.randn(shape, dtype=torch.float64).to(dtype)
-    weights = self_check._powers_of_two(batch, [dtype], torch.Generator().manual_seed(0)).to(grad.device)
+    top, generator = self_check._MAX_EXPONENT[dtype], torch.Generator().manual_seed(0)
+    weights = self_check._powers_of_two(batch, top, down, generator).to(grad.device)
+    assert (weights <= 1).all() if down else (weights >= 1).all()
     sketch = self_check.RowSketch.of(grad, torch.Size(shape), dim, batch, seed=3)
     by_sample = grad.movedim(dim, 0)
     by_sample = by_sample.reshape(batch, -1, *by_sample.shape[1:])  # (folded rows: k per sample)
@@ -478,3 +482,25 @@ def test_one_large_sample_hides_no_mixing_between_others(mode, dtype):
         mixed = torch.zeros_like(h).index_put((torch.tensor([1]),), (h[0] - h[0].detach())[None])
         with pytest.raises(FlashDPError, match="not separable by sample"):
             engine.backward((h + mixed).sum(1) * weights.to(dtype))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("mixing", [False, True])
+def test_float16_output_gradients_the_weighted_pass_would_overflow_are_still_compared(mode, mixing):
+    """(Output gradients of 3e4 in float16 overflow when weighted by 2 or more, and rows of inf passed every
+    comparison: sample 1's loss flowing into sample 0's rows went unseen.) Where the largest rows would overflow,
+    the weights are powers of two at most 1; a weighted row that is not finite where its unweighted one was fails.
+    Each sample's gradient: 3 x 3 entries of 3e4 * 1e-4, norm 9."""
+    model = nn.Linear(3, 3, bias=False).half()
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(3))
+    weights = torch.full((16,), 3e4, dtype=torch.half)
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None) as engine:
+        h = model(torch.full((16, 3), 1e-4, dtype=torch.half))
+        mixed = torch.zeros_like(h).index_put((torch.tensor([0]),), (h[1] - h[1].detach())[None])
+        if mixing:
+            with pytest.raises(FlashDPError, match="not separable by sample"):
+                engine.backward((h + mixed).sum(1) * weights)
+        else:
+            norms = engine.backward(h.sum(1) * weights)
+            torch.testing.assert_close(norms.double(), torch.full((16,), 9.0, dtype=torch.float64), rtol=1e-2, atol=0)

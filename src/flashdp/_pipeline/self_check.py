@@ -71,14 +71,27 @@ def tolerance(dtypes: Sequence[torch.dtype], tf32: bool = False) -> float:
 _MAX_EXPONENT = {torch.float64: 30, torch.float32: 15, torch.bfloat16: 3, torch.float16: 3}
 
 
-def _powers_of_two(batch: int, dtypes: Sequence[torch.dtype], generator: torch.Generator) -> Tensor:
-    """`[B]` power-of-two weights, a random permutation of `2^(k mod (K + 1))`, k = 0..B-1: DISTINCT where B <= K + 1
-    (rows of two samples with the same weight could be swapped unseen), each value used as evenly as possible beyond.
-    Scaling by a power of two is exact in floating point, so a per-sample gradient scales exactly, rounding noise
-    included: the comparison needs no magnitude floor and sees layers whose gradients are tiny next to others'."""
-    top = min(_MAX_EXPONENT.get(d, 3) for d in dtypes)
-    exponents = torch.arange(batch, dtype=torch.float64, device="cpu") % (top + 1)
+#: how far below its dtype's largest value the largest weighted row of an output must stay for the weights to scale
+#: up (a layer's backward may hold values beyond its output gradient's)
+OVERFLOW_HEADROOM = 2.0**4
+
+
+def _powers_of_two(batch: int, top: int, down: bool, generator: torch.Generator) -> Tensor:
+    """`[B]` power-of-two weights, a random permutation of `2^(k mod (K + 1))`, k = 0..B-1 (`top` = K; with `down`,
+    divided by `2^K`: at most 1): DISTINCT where B <= K + 1 (rows of two samples with the same weight could be
+    swapped unseen), each value used as evenly as possible beyond. Scaling by a power of two is exact in floating
+    point, so a per-sample gradient scales exactly, rounding noise included: the comparison needs no magnitude floor
+    and sees layers whose gradients are tiny next to others'."""
+    exponents = torch.arange(batch, dtype=torch.float64, device="cpu") % (top + 1) - (top if down else 0)
     return 2.0 ** exponents[torch.randperm(batch, generator=generator, device="cpu")]
+
+
+def _scales_down(sketches: Sequence[tuple[RowSketch | None, ...]], top: int) -> bool:
+    """Whether weights up to `2^top` would bring an output's largest rows within `OVERFLOW_HEADROOM` of its dtype's
+    largest value (float16 gradients above about 500): weights scaling up are exact down to the subnormal range,
+    weights scaling down never overflow."""
+    reach = [s.peak.double() * (2.0**top * OVERFLOW_HEADROOM / s.dtype_max) for row in sketches for s in row if s]
+    return bool(reach) and bool(torch.stack(reach).max() >= 1)  # (one sync)
 
 
 #: random projections of each sample's rows that the batch-independence check keeps per output
@@ -119,13 +132,19 @@ class RowSketch:
     #: well that its gradient is about 1e-40 in float32): `SUBNORMAL_MARGIN` subnormals per element (at most
     #: `SUBNORMAL_SLACK_CAP`), in norm
     slack: float
+    #: `[]` the largest magnitude in the rows, and the largest value of their dtype (the weights must not overflow)
+    peak: Tensor
+    dtype_max: float
 
     @staticmethod
     def of(grad: Tensor, shape: torch.Size, dim: int, batch: int, seed: int) -> RowSketch:
         rows = _sample_matrices(grad, shape, dim, batch)
-        subnormal = torch.finfo(grad.dtype).smallest_normal * 2.0 ** -_mantissa_bits(grad.dtype)
+        info = torch.finfo(grad.dtype)
+        subnormal = info.smallest_normal * 2.0 ** -_mantissa_bits(grad.dtype)
         slack = min(SUBNORMAL_MARGIN * subnormal, SUBNORMAL_SLACK_CAP) * (math.sqrt(rows[0].numel()) if batch else 0.0)
-        return RowSketch(_project(rows, *_directions(rows, seed)), _norms(rows), seed, slack)
+        norms, largest = _norms(rows)
+        peak = largest.max() if batch else largest.new_zeros(())
+        return RowSketch(_project(rows, *_directions(rows, seed)), norms, seed, slack, peak, info.max)
 
     def fails(self, weighted: Tensor, shape: torch.Size, dim: int, weights: Tensor, rtol: float, floor: Tensor) -> bool:
         """Whether the weighted pass's gradient of this output is not `weights[i]` times sample i's rows. `floor`
@@ -133,11 +152,12 @@ class RowSketch:
         rows = _sample_matrices(weighted, shape, dim, weights.shape[0])
         expected = self.projections * weights[:, None]
         error = (_project(rows, *_directions(rows, self.seed)) - expected).square().mean(1).sqrt()
-        weighted_norms = _norms(rows)
+        weighted_norms = _norms(rows)[0]
         scale = self.norms * weights + weighted_norms
         failed = error > rtol * (scale + floor * weights) + self.slack * weights
-        # (finite rows whose projections overflowed fail: a NaN error passes no comparison)
-        failed |= ~torch.isfinite(error) & torch.isfinite(self.norms) & torch.isfinite(weighted_norms)
+        # (finite rows whose weighted rows or projections overflowed fail: a NaN error passes no comparison, and
+        # weights never overflow scaled rows, `_scales_down`)
+        failed |= ~torch.isfinite(error) & torch.isfinite(self.norms)
         return bool(failed.any())
 
     def passes_with_rows(
@@ -200,10 +220,12 @@ def batch_independence_failures(
     With fewer than 2 samples there is nothing to compare, but the pass still runs (FSDP ranks must run the same
     passes)."""
     dtypes = [loss.dtype, *(m.dtype for c in calls for m in c.output_meta)]
+    top = min(_MAX_EXPONENT.get(d, 3) for d in dtypes)
+    down = _scales_down(sketches, top)
     if users is None:
-        weights = _powers_of_two(loss.shape[0], dtypes, generator).to(loss.device)
+        weights = _powers_of_two(loss.shape[0], top, down, generator).to(loss.device)
     else:
-        weights = users.per_row(_powers_of_two(users.count, dtypes, generator).to(loss.device))
+        weights = users.per_row(_powers_of_two(users.count, top, down, generator).to(loss.device))
     with torch.enable_grad():
         weighted_loss = loss * weights.to(loss.dtype)
     floors = sample_floors(sketches, loss.shape[0], loss.device)
@@ -266,15 +288,16 @@ def _project(rows: Tensor, left: Tensor, right: Tensor) -> Tensor:
     return ((rows @ right) * left).sum(1).double()
 
 
-def _norms(rows: Tensor) -> Tensor:
-    """`[B]` float64 norms of `[B, ...]` rows; where the float32 squares of a row underflow (values below about
-    1e-19) or overflow (a norm above about 1.8e19, which made the tolerance infinite: a breaker's rows mixing
-    samples passed), its largest magnitude instead, a lower bound of its norm (reductions only: no copy of the
-    gradient). A row holding inf or NaN has that norm."""
+def _norms(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """`[B]` float64 norms of `[B, ...]` rows, and `[B]` their largest magnitudes; where the float32 squares of a row
+    underflow (values below about 1e-19) or overflow (a norm above about 1.8e19, which made the tolerance infinite:
+    a breaker's rows mixing samples passed), its norm is its largest magnitude instead, a lower bound (reductions
+    only: no copy of the gradient). A row holding inf or NaN has that norm."""
     flat = rows.flatten(1)
     largest = torch.maximum(flat.amax(1), -flat.amin(1)) if flat.shape[1] else flat.new_zeros(flat.shape[0])
     norm = torch.linalg.vector_norm(flat, dim=1)
-    return torch.where(torch.isinf(norm) & torch.isfinite(largest), largest, torch.maximum(norm, largest)).double()
+    norm = torch.where(torch.isinf(norm) & torch.isfinite(largest), largest, torch.maximum(norm, largest))
+    return norm.double(), largest
 
 
 def batch_independence_error(failing: Sequence[str], every: Sequence[str]) -> FlashDPError:

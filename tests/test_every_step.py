@@ -1675,3 +1675,41 @@ def test_the_batch_shifted_by_another_offset_is_another_structure(op, mode):
     model.k = 1
     with pytest.raises(FlashDPError, match="sample"):
         engine.backward(model(torch.randn(4, 4, dtype=torch.float64)).square().sum(1))
+
+
+class ReshapedTokens(nn.Module):
+    """A position-wise Linear called on a RESHAPE (not a transpose) of `[B, T, d]` into `[T, B, d]`, reshaped back:
+    each token is still one sample's, but at T = 1 the reshape moves no row and `b` passes as time-major (batch in
+    dim 1), while at T > 1 its dim 1 interleaves samples' tokens. With `cumsum`, the tokens the reshape puts in one
+    column mix: at T > 1 the model mixes samples."""
+
+    def __init__(self, cumsum: bool = False) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 3), nn.Linear(3, 3), nn.Linear(3, 1)
+        self.cumsum = cumsum
+
+    def forward(self, x):
+        batch, length, _ = x.shape
+        h = self.b(self.a(x).reshape(length, batch, 3))
+        h = h.cumsum(0) if self.cumsum else h
+        return self.c(torch.tanh(h).reshape(batch, length, 3)).squeeze(-1)
+
+
+def _tokens(lengths):
+    return [torch.randn(3, t, 4, dtype=torch.float64, generator=seeded(t)) for t in lengths]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layout_verified_where_a_dim_is_1_is_verified_again_where_it_is_not(mode):
+    """(A breaker's finding: verified on a first batch of sequences of length 1, the reshape's layout was trusted
+    at T = 2, where layer b's rows in dim 1 interleave samples: one sample added 2 C.) A dim of size 1 in the graph
+    is part of the structure: every step is exact."""
+    model = ReshapedTokens().double()
+    check_steps(model, _tokens([1, 2, 1, 3]), _sum_loss, _rows, [3, 3, 3, 3], mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_mixing_samples_only_where_a_dim_is_not_1_is_refused_there(mode):
+    model = ReshapedTokens(cumsum=True).double()
+    refused = check_steps(model, _tokens([1, 1, 3]), _sum_loss, _rows, [3, 3, 3], mode=mode, refusals=True)
+    assert refused == [2]

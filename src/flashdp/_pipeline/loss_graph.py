@@ -47,7 +47,8 @@ class LossGraph:
         different where an op is added, removed, rewired, moved to another dim or run in another mode (a flip of the
         rows, a transpose to time-major, a loss that subtracts the batch mean, a cumulative sum over the batch where
         it was over time, batch statistics where running ones were read), but for a 64-bit hash collision. Kept as
-        a hash: a model whose graph differs on every step keeps one per verified structure."""
+        a hash: a model whose graph differs on every step keeps one per verified structure. The dims of size 1 of
+        each node's outputs are part of it (`_unit_dims`): an op along a dim of size 1 mixes nothing."""
         return self._index[1]
 
     def places(self, edges: Iterable[tuple[GradientEdge, ...]]) -> tuple[tuple[tuple[int, int] | None, ...], ...]:
@@ -84,7 +85,7 @@ class LossGraph:
             names = _STRUCTURE_ATTRIBUTES.get(kind)
             if names is None:
                 names = _structure_attributes(node)
-            operations.append((kind, tuple(inputs), _dims(node, names) if names else ()))
+            operations.append((kind, tuple(inputs), _dims(node, names) if names else (), _unit_dims(node)))
         return parents, (len(operations), hash(tuple(operations))), number
 
     def reaches_loss(self, edge: GradientEdge) -> bool:
@@ -129,6 +130,17 @@ def _dims(node: Node, names: tuple[str, ...]) -> tuple:
     the batch in `[B, d]` (a view that drops a size-1 time dim)."""
     metadata = node._input_metadata
     return (*(getattr(node, name) for name in names), len(metadata[0].shape) if metadata else None)
+
+
+def _unit_dims(node: Node) -> tuple:
+    """Which dims of each of `node`'s outputs have size 1: along such a dim an op mixes nothing (a flip, a cumulative
+    sum, a reshape of `[B, 1, d]` into `[1, B, d]` moves no row), so a layout verified there says nothing of the same
+    ops at another size (a breaker's model verified at T = 1 interleaved its samples' tokens at T = 2, and one sample
+    added 2 C). () where no dim is 1 (the common case, tested first: this runs for every node on every backward)."""
+    shapes = [m.shape for m in node._input_metadata]
+    if not any(1 in shape for shape in shapes):
+        return ()
+    return tuple(tuple(d for d, size in enumerate(shape) if size == 1) for shape in shapes)
 
 
 #: per node type, the saved attributes `_structure_attributes` names

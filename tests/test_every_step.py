@@ -1713,3 +1713,36 @@ def test_a_model_mixing_samples_only_where_a_dim_is_not_1_is_refused_there(mode)
     model = ReshapedTokens(cumsum=True).double()
     refused = check_steps(model, _tokens([1, 1, 3]), _sum_loss, _rows, [3, 3, 3], mode=mode, refusals=True)
     assert refused == [2]
+
+
+class SwappedWeight(nn.Module):
+    """`lin` called through `torch.func.functional_call` with another tensor in place of its weight: a function of
+    its own weight, a constant, or another layer's weight."""
+
+    def __init__(self, swap: str) -> None:
+        super().__init__()
+        self.lin, self.other = nn.Linear(4, 3), nn.Linear(4, 3)
+        self.swap = swap
+
+    def forward(self, x):
+        weight = {
+            "3W": lambda: 3 * self.lin.weight,
+            "-W": lambda: -self.lin.weight,
+            "W*W": lambda: self.lin.weight * self.lin.weight,
+            "detached": lambda: self.lin.weight.detach(),
+            "other": lambda: self.other.weight,
+        }[self.swap]()
+        return torch.func.functional_call(self.lin, {"weight": weight}, (x,)) + self.other(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("swap", ["3W", "-W", "W*W", "detached", "other"])
+def test_a_layer_called_with_another_tensor_in_place_of_its_parameter_is_exact(swap, mode):
+    """(A breaker's finding: the rule counted the gradient of the tensor used as the parameter's own, silently: 3x
+    too small a norm for `3 * W`, the opposite direction for `-W`, another layer's gradient written to this one.)
+    A call made with other tensors in place of its parameters is not its rule's: the parameters' uses are counted
+    as any use outside their layer (the generic rule of the module enclosing them)."""
+    torch.manual_seed(0)
+    model = SwappedWeight(swap).double()
+    batches = [torch.randn(b, 4, dtype=torch.float64) for b in (3, 3, 2)]
+    check_steps(model, batches, _sum_loss, _rows, [3, 3, 2], mode=mode, self_check=1)

@@ -233,7 +233,7 @@ class Recorder:
         if not recomputing:
             self._forward_plan = self._plan
         site = self._forward_plan.sites.get(id(module))
-        if site is None:
+        if site is None or (not self._keep_params and _substituted(self._forward_plan, site, module)):
             return
         leaves = _tensor_leaves(output)
         slots = _distinct_slots(leaves)
@@ -403,6 +403,16 @@ class _Evidence:
             or any(not _same_dict(vars(m).get(k), then) for m, k, then in self.dicts)
             or _tensor_state(modules) != self.tensors
         )
+
+
+def _substituted(plan: GradientPlan, site: Site, module: nn.Module) -> bool:
+    """Whether the module was called with other tensors in place of trainable parameters its site counts
+    (`torch.func.functional_call(layer, {"weight": 3 * layer.weight}, ...)`, another layer's weight): its rule
+    would count the gradient of the tensor used as the parameter's (3x too small for `3 * W`, another layer's
+    gradient). Such a call is not recorded: the parameters' uses through it are uses outside their site, which the
+    coverage walk moves to the generic rule of a module enclosing them (or refuses), and a parameter the call did
+    not use gets nothing from it. (Wrappers that swap parameters in for the forward, FSDP, are not asked.)"""
+    return any(attribute(module, name) is not plan.param_of[(id(module), name)].param for name in site.trainable)
 
 
 def _tensor_state(modules: tuple[nn.Module, ...]) -> tuple[tuple[int, str, int, int], ...]:

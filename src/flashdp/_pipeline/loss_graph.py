@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Collection, Iterable
 
+import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
@@ -85,7 +86,8 @@ class LossGraph:
             names = _STRUCTURE_ATTRIBUTES.get(kind)
             if names is None:
                 names = _structure_attributes(node)
-            operations.append((kind, tuple(inputs), _dims(node, names) if names else (), _unit_dims(node)))
+            units = _unit_dims(node) if kind in _SIZED else ()
+            operations.append((kind, tuple(inputs), _dims(node, names) if names else (), units))
         return parents, (len(operations), hash(tuple(operations))), number
 
     def reaches_loss(self, edge: GradientEdge) -> bool:
@@ -136,7 +138,8 @@ def _unit_dims(node: Node) -> tuple:
     """Which dims of each of `node`'s outputs have size 1: along such a dim an op mixes nothing (a flip, a cumulative
     sum, a reshape of `[B, 1, d]` into `[1, B, d]` moves no row), so a layout verified there says nothing of the same
     ops at another size (a breaker's model verified at T = 1 interleaved its samples' tokens at T = 2, and one sample
-    added 2 C). () where no dim is 1 (the common case, tested first: this runs for every node on every backward)."""
+    added 2 C). Asked of the ops that work along dims or saved sizes (`_SIZED`: views, reshapes, reductions,
+    matrix products), not of elementwise ops, which move nothing; () where no dim is 1 (tested first)."""
     shapes = [m.shape for m in node._input_metadata]
     if not any(1 in shape for shape in shapes):
         return ()
@@ -145,6 +148,9 @@ def _unit_dims(node: Node) -> tuple:
 
 #: per node type, the saved attributes `_structure_attributes` names
 _STRUCTURE_ATTRIBUTES: dict[type, tuple[str, ...]] = {}
+#: the node types whose op works along dims or saved sizes or shapes, and custom Functions (`_unit_dims` is asked of
+#: these only)
+_SIZED: set[type] = set()
 
 
 #: saved arguments that are positions, not sizes: where a roll shifts to, where a slice starts and its step, which
@@ -170,4 +176,7 @@ def _structure_attributes(node: Node) -> tuple[str, ...]:
         if not isinstance(value, Tensor) and ("dim" in a or isinstance(value, bool) or a in _POSITIONS)
     )
     _STRUCTURE_ATTRIBUTES[type(node)] = names
+    opaque = isinstance(node, torch.autograd.function.BackwardCFunction)  # (a custom Function: what it does is unseen)
+    if names or opaque or any("size" in a or "shape" in a for a in saved):
+        _SIZED.add(type(node))
     return names

@@ -174,9 +174,9 @@ class DPEngine:
         measured = self._measure(loss, forward, self._sums.keeps, groups, refusal)
         clip_norms_sq = measured.clip_norms_sq
         coef, norms = self._coefficients(measured)
-        again, measured = measured.again, None
+        again, kept, measured = measured.again, _kept(measured), None
         with self._timer.phase("second pass / bk sums"):
-            self._sums.add(loss, norms, coef, groups, again)
+            self._sums.add(loss, norms, coef, groups, again, kept)
         del norms, again
         self._users.clipped(clipping)
         provenance = self._attachment.provenance
@@ -274,7 +274,7 @@ class DPEngine:
 
     def _coefficients(self, measured: Measurement) -> tuple[Tensor, Norms]:
         """`[L, B]` clipping coefficients, and the norms whose clipped sums are added: a sample skipped for a
-        non-finite gradient (bk only: a second backward would carry its NaN into every parameter) gets none."""
+        non-finite gradient gets none (its rows dropped from the plans: 0 * NaN is NaN)."""
         with torch.no_grad():
             coef = self.noisy_step.clip_coefficients(measured.clip_norms_sq)
             if measured.skipped is None:
@@ -404,6 +404,11 @@ def _noise_source(settings: EngineSettings, adapter: Adapter) -> NoiseSource:
     return NoiseSource(adapter.noise_seed(drawn), "secret" if settings.seed is None else "seeded")
 
 
+def _kept(measured: Measurement) -> Tensor | None:
+    """`[B]` the units not skipped for a non-finite gradient, or None where none can be (nonfinite="error")."""
+    return None if measured.skipped is None else ~measured.skipped
+
+
 def _check_padding_norms(norms: Tensor) -> None:
     """The norms of stand-in rows whose loss was weighted by 0: exactly 0, else refused."""
     if bool((norms != 0).any()):  # (a padding micro-batch is rare: this sync costs nothing in a steady step)
@@ -478,7 +483,7 @@ def make_private(
             and the likely cause. None turns it off. It costs about three backward passes when it runs. Not run
             under FSDP1, which cannot take a second pass over one forward.
         nonfinite: what backward does with a sample whose gradient is NaN or inf (its loss finite): "error" raises
-            FlashDPError naming the samples before any `.grad` changes; "skip" (bk, or per_layer clipping) gives
+            FlashDPError naming the samples before any `.grad` changes; "skip" (any mode; bk only under FSDP2) gives
             them a zero contribution, counted in `engine.skipped_samples`, and returns their norm as NaN or inf.
             Either way no non-finite value reaches a parameter. A finite norm too large for float32 is recomputed
             in float64 and clipped like any other.

@@ -43,11 +43,15 @@ def test_a_nan_gradient_is_refused_naming_the_sample_and_nothing_reaches_grad(mo
         engine.step()
 
 
-def test_skip_gives_non_finite_samples_a_zero_contribution_and_the_others_their_exact_clipped_sum():
+@pytest.mark.parametrize("self_check", [None, 1])
+@pytest.mark.parametrize("mode", MODES)
+def test_skip_gives_non_finite_samples_a_zero_contribution_and_the_others_their_exact_clipped_sum(mode, self_check):
+    """In every mode: ghost's and flash's second pass sums the kept samples' rows only (a backward of the weighted
+    losses would carry the skipped sample's NaN into every parameter)."""
     model = _model()
     nn.init.zeros_(model[2].bias)
     x = _batch_with_a_nan_gradient()
-    engine = _engine(model, mode="bk", nonfinite="skip")
+    engine = _engine(model, mode=mode, nonfinite="skip", self_check=self_check)
     norms = engine.backward(_sqrt_loss(model(x)))
     engine.detach()
 
@@ -60,12 +64,6 @@ def test_skip_gives_non_finite_samples_a_zero_contribution_and_the_others_their_
     torch.testing.assert_close(norms[keep].double(), expected_norms, rtol=1e-5, atol=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), expected[name], rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("mode", ["ghost", pytest.param("flash", marks=MODES[2].marks)])
-def test_skip_is_refused_where_a_second_backward_fills_grad(mode):
-    with pytest.raises(FlashDPError, match="nonfinite='skip' needs mode='bk'"):
-        _engine(_model(), mode=mode, nonfinite="skip")
 
 
 @pytest.mark.parametrize("backwards", [1, 2], ids=["held pass", "streamed pass"])
@@ -114,3 +112,18 @@ def test_skip_drops_a_sample_from_a_convolution_summed_by_its_own_weight_gradien
     torch.testing.assert_close(norms[keep].double(), expected_norms, rtol=1e-5, atol=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), expected[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["ghost", pytest.param("flash", marks=MODES[2].marks)])
+def test_skip_is_refused_where_the_second_pass_is_autograds_own(mode):
+    """Under FSDP2 (an adapter that reshards after the forward and allows a second pass) ghost's and flash's second
+    pass is autograd's backward of the weighted losses, which would carry a skipped sample's NaN everywhere."""
+    from types import SimpleNamespace
+
+    from flashdp._pipeline.clipped_sums import clipped_sums_for
+    from flashdp._pipeline.settings import EngineSettings
+
+    settings = EngineSettings(mode=mode, max_grad_norm=1.0, nonfinite="skip")
+    fsdp2_like = SimpleNamespace(allows_second_pass=True, reshards_after_forward=True)
+    with pytest.raises(FlashDPError, match="nonfinite='skip' with mode='ghost' or 'flash' under FSDP2"):
+        clipped_sums_for(settings, fsdp2_like, grad_writes=None)

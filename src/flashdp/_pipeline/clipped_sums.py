@@ -25,6 +25,7 @@ from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.settings import EngineSettings
 from flashdp._pipeline.users import UserGroups
 from flashdp.distributed import Adapter
+from flashdp.errors import FlashDPError
 from flashdp.kernels import backend as kernels_backend
 from flashdp.per_sample import cast, weighted_rows
 
@@ -59,11 +60,17 @@ class BookKeeping:
         return []
 
     def add(
-        self, loss: Tensor, norms: Norms, coef: Tensor, users: UserGroups | None, again: Callable | None = None
+        self,
+        loss: Tensor,
+        norms: Norms,
+        coef: Tensor,
+        users: UserGroups | None,
+        again: Callable | None = None,
+        kept: Tensor | None = None,
     ) -> None:
         """`.grad += sum_i coef[l, i] g_i` for every reached parameter (l its clipping group); `coef` `[L, B]`
         (with users: `[L, U]`, applied to the plans, which are per user). `norms` handed over: emptied, each plan
-        released once its sum is taken."""
+        released once its sum is taken (a skipped unit's rows already dropped from them: `kept` is not needed)."""
         with torch.no_grad(), kernels_backend(self._backend):
             norms.sort(key=lambda pair: self._adapter.accumulation_order(pair[0]))
             for param, clipped_sum in clipped_sums(norms, coef):
@@ -146,14 +153,19 @@ class SecondBackward:
         coef: Tensor,
         users: UserGroups | None,
         again: Callable[[SumSink, set[Hashable]], None] | None = None,
+        kept: Tensor | None = None,
     ) -> None:
         """`.grad += sum_i coef[l, i] g_i` (with users, per user) for every reached parameter. A parameter whose
         per-sample gradients were built whole (their plan kept, `ParamGradient`) gets its clipped sum from them;
         every other from the norm pass run `again`: the same backward of `sum_i loss_i`, so the same output
         gradients its norms were measured from, summed with the coefficients by flashdp's products (a backward
         of `sum_i c_i loss_i` computes them anew, scaled, and where they cancel, between layers and the loss,
-        rounds them to others: a sample added 12 C). `norms` handed over: emptied."""
+        rounds them to others: a sample added 12 C). `norms` handed over: emptied. `kept` `[B]`: the units not
+        skipped for a non-finite gradient (nonfinite="skip"; the built plans' norms already drop the others):
+        their rows are dropped from the sums of the pass run again (their NaN would survive a zero coefficient)."""
         if again is None:  # (FSDP2: no calls kept, the wrapper reduces what autograd accumulates)
+            if kept is not None:
+                raise FlashDPError(_SKIP_UNDER_FSDP2)
             self._backward(loss, norms, coef, users)
             return
         streamed = {param.key for param, norm in norms if norm.plan is None}
@@ -164,7 +176,7 @@ class SecondBackward:
         def add_sum(param: TrainableParam, gradient: ParamGradient, matched: Tensor | None) -> None:
             if param.key not in streamed:  # (a call's other parameters, built whole, are summed from their rows)
                 return
-            plan = gradient.sum_plan()
+            plan = gradient.sum_plan() if kept is None else gradient.sum_plan().dropping(kept)
             clipped_sum = plan.clipped_sum(cast(rows[param.clip_group if len(rows) > 1 else 0], plan.dtype))
             if matched is not None:  # (else other gradients than those measured: nothing added, said next backward)
                 clipped_sum = torch.where(matched, clipped_sum, 0.0)
@@ -219,6 +231,14 @@ def _replaced(value: Tensor, grad: Tensor) -> Tensor:
     return value
 
 
+#: why nonfinite="skip" cannot run where ghost's or flash's second pass is autograd's own (FSDP2)
+_SKIP_UNDER_FSDP2 = (
+    "nonfinite='skip' with mode='ghost' or 'flash' under FSDP2: the second pass is autograd's backward of the "
+    "weighted losses (FSDP2 reduce-scatters what it accumulates), which carries a skipped sample's NaN into every "
+    "parameter (0 * NaN is NaN). Use mode='bk', or nonfinite='error'."
+)
+
+
 class NormsOnly:
     def __init__(self, adapter: Adapter) -> None:
         self.keeps = Keeps(graph=True, plans=False, for_overflow=_overflow_without_plans(adapter))
@@ -234,5 +254,7 @@ def clipped_sums_for(
     """The way this engine's backward fills `.grad`: a second backward in ghost and flash where the wrapper allows
     one, the clipped-sum plans otherwise."""
     if settings.fills_grad_by_second_backward and adapter.allows_second_pass:
+        if settings.nonfinite == "skip" and adapter.reshards_after_forward:
+            raise FlashDPError(_SKIP_UNDER_FSDP2)
         return SecondBackward(adapter, grad_writes, settings)
     return BookKeeping(adapter, settings)

@@ -46,12 +46,6 @@ class EngineSettings:
         _check_choice("clipping", self.clipping, CLIPPING_STYLES)
         _check_choice("norm_strategy", self.norm_strategy, NORM_STRATEGIES)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        if self.nonfinite == "skip" and self.fills_grad_by_second_backward:
-            raise FlashDPError(
-                f"nonfinite='skip' needs mode='bk' (or per_layer clipping): mode={self.mode!r} fills .grad by a "
-                "second backward, which carries a skipped sample's NaN into every parameter (0 * NaN is NaN). Use "
-                "mode='bk', or nonfinite='error'."
-            )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise FlashDPError(f"seed must be an int or None. Received {self.seed!r}.")
         if self.secure_rng and self.seed is not None:

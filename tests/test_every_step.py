@@ -1746,3 +1746,35 @@ def test_a_layer_called_with_another_tensor_in_place_of_its_parameter_is_exact(s
     model = SwappedWeight(swap).double()
     batches = [torch.randn(b, 4, dtype=torch.float64) for b in (3, 3, 2)]
     check_steps(model, batches, _sum_loss, _rows, [3, 3, 2], mode=mode, self_check=1)
+
+
+class SwappedInBlock(nn.Module):
+    """`torch.func.functional_call` on a whole block with a partial dict, on batches whose last feature is 1 (the
+    oracle's copy, and each sample alone, take the same branch): a scope at the forward, whose generic rule would
+    re-run it with the parameters."""
+
+    def __init__(self, swap: str) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+        self.swap = swap
+
+    def forward(self, x):
+        if not bool((x[:, -1] == 1).all()):
+            return self.block(x)
+        first, last = self.block[0], self.block[2]
+        swapped = {"-b": {"2.bias": -last.bias}, "-W": {"2.weight": -last.weight}, "2W": {"0.weight": 2 * first.weight}}
+        return torch.func.functional_call(self.block, swapped[self.swap], (x,))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("swap", ["-b", "-W", "2W"])
+def test_a_block_called_with_another_tensor_in_place_of_a_childs_parameter_is_exact(swap, mode):
+    """(A breaker's finding: the block, a scope at the forward, became a generic site in the backward and re-ran
+    its forward with the parameter, not the tensor used: ghost added the opposite of `-b`'s gradient, bk refused
+    every step.) No call of a module whose subtree ran with other tensors is recorded."""
+    torch.manual_seed(0)
+    model = SwappedInBlock(swap).double()
+    batches = [torch.randn(b, 4, dtype=torch.float64) for b in (3, 2, 3, 2)]
+    for swapped in batches[1::2]:
+        swapped[:, -1] = 1
+    check_steps(model, batches, _sum_loss, _rows, [3, 2, 3, 2], mode=mode, self_check=1)

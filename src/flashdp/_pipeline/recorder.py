@@ -201,6 +201,8 @@ class Recorder:
         self._paused = False
         self._probes: dict[Hashable, float | None] = {}  # probe verdicts shared by alike modules (`_probe_key`)
         self._rng_states: dict[int, list[RngState]] = {}
+        #: id(module) -> (the plan, `_subtree_params` under it)
+        self._subtree_params: dict[int, tuple[GradientPlan, tuple[tuple[nn.Module, str, Tensor], ...]]] = {}
         # prepend: run before a wrapper's own post-forward hook (FSDP2 reshards its parameters there)
         self._handles = [
             site.module.register_forward_hook(_Hook(self), with_kwargs=True, prepend=True)
@@ -233,7 +235,7 @@ class Recorder:
         if not recomputing:
             self._forward_plan = self._plan
         site = self._forward_plan.sites.get(id(module))
-        if site is None or (not self._keep_params and _substituted(self._forward_plan, site, module)):
+        if site is None or (not self._keep_params and self._substituted(module)):
             return
         leaves = _tensor_leaves(output)
         slots = _distinct_slots(leaves)
@@ -330,6 +332,24 @@ class Recorder:
         """Record nothing meanwhile (the generic rule re-runs forwards)."""
         return _Paused(self)
 
+    def _substituted(self, module: nn.Module) -> bool:
+        """Whether the module was called with other tensors in place of trainable parameters of it or of its
+        descendants (`torch.func.functional_call(layer, {"weight": 3 * layer.weight}, ...)`, on a layer or on a
+        block holding it, another layer's weight): a rule would count the gradient of the tensor used as the
+        parameter's (3x too small for `3 * W`), a generic rule would re-run the forward with the parameters
+        themselves. Such a call is not recorded: the parameters' uses through it are uses outside any call of
+        theirs, which the coverage walk moves to the generic rule of an enclosing module called with its own
+        parameters (whose forward makes the substitution again), or refuses; a parameter the call did not use
+        gets nothing from it. Asked in the forward hook, after the module's forward: a module whose forward
+        substitutes and restores (around a child's call) is called with its own. (Wrappers that swap parameters
+        in for the forward, FSDP, are not asked.)"""
+        plan = self._forward_plan
+        cached = self._subtree_params.get(id(module))
+        if cached is None or cached[0] is not plan:
+            cached = (plan, _subtree_params(plan, module))
+            self._subtree_params[id(module)] = cached
+        return any(owner._parameters.get(name) is not param for owner, name, param in cached[1])
+
     def follow(self, plan: GradientPlan) -> None:
         """Record the next forwards under `plan` (the engine's, once a backward committed it)."""
         self._plan = plan
@@ -405,14 +425,15 @@ class _Evidence:
         )
 
 
-def _substituted(plan: GradientPlan, site: Site, module: nn.Module) -> bool:
-    """Whether the module was called with other tensors in place of trainable parameters its site counts
-    (`torch.func.functional_call(layer, {"weight": 3 * layer.weight}, ...)`, another layer's weight): its rule
-    would count the gradient of the tensor used as the parameter's (3x too small for `3 * W`, another layer's
-    gradient). Such a call is not recorded: the parameters' uses through it are uses outside their site, which the
-    coverage walk moves to the generic rule of a module enclosing them (or refuses), and a parameter the call did
-    not use gets nothing from it. (Wrappers that swap parameters in for the forward, FSDP, are not asked.)"""
-    return any(attribute(module, name) is not plan.param_of[(id(module), name)].param for name in site.trainable)
+def _subtree_params(plan: GradientPlan, module: nn.Module) -> tuple[tuple[nn.Module, str, Tensor], ...]:
+    """(owner, name, the parameter) for every trainable parameter the plan knows in the module and its
+    descendants."""
+    return tuple(
+        (owner, name, plan.param_of[(id(owner), name)].param)
+        for owner in _with_descendants(module)
+        for name in owner._parameters
+        if (id(owner), name) in plan.param_of
+    )
 
 
 def _tensor_state(modules: tuple[nn.Module, ...]) -> tuple[tuple[int, str, int, int], ...]:

@@ -1778,3 +1778,30 @@ def test_a_block_called_with_another_tensor_in_place_of_a_childs_parameter_is_ex
     for swapped in batches[1::2]:
         swapped[:, -1] = 1
     check_steps(model, batches, _sum_loss, _rows, [3, 2, 3, 2], mode=mode, self_check=1)
+
+
+class PairsTokens(nn.Module):
+    """Tokens regrouped in pairs by a reshape of `[B, T, d]` into `[B T / 2, 2, d]` and each pair flipped: each
+    pair is one sample's at even T; at odd T one pair holds the last token of a sample and the first of the next."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        batch, length, _ = x.shape
+        h = self.a(x).reshape(-1, 2, 4).flip(1).reshape(batch, length, 4)
+        return self.b(torch.tanh(h)).squeeze(-1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_reshape_that_follows_the_samples_only_at_some_sizes_is_verified_again_at_others(mode):
+    """(A breaker's finding: verified at T = 2, the pairs were trusted at T = 3, where they span two samples: one
+    sample added 1.7 C.) Whether a reshape's dims are multiples of the batch is part of the structure: T = 4 is
+    exact, T = 3 refused."""
+    check_steps(PairsTokens().double(), _tokens([2, 4, 2]), _sum_loss, _rows, [3, 3, 3], mode=mode)
+    model = PairsTokens().double()
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None) as engine:
+        engine.backward(_sum_loss(model, torch.randn(2, 2, 4, dtype=torch.float64)))
+        with pytest.raises(FlashDPError):  # (one sample alone cannot run at odd T: the pairs are two samples')
+            engine.backward(_sum_loss(model, torch.randn(2, 3, 4, dtype=torch.float64)))

@@ -49,7 +49,9 @@ class LossGraph:
         rows, a transpose to time-major, a loss that subtracts the batch mean, a cumulative sum over the batch where
         it was over time, batch statistics where running ones were read), but for a 64-bit hash collision. Kept as
         a hash: a model whose graph differs on every step keeps one per verified structure. The dims of size 1 of
-        each node's outputs are part of it (`_unit_dims`): an op along a dim of size 1 mixes nothing."""
+        each node's outputs are part of it, and for a reshape whether each is a multiple of the batch
+        (`_size_classes`): an op along a dim of size 1 mixes nothing, and a reshape's rows follow the samples' only
+        at some sizes."""
         return self._index[1]
 
     def places(self, edges: Iterable[tuple[GradientEdge, ...]]) -> tuple[tuple[tuple[int, int] | None, ...], ...]:
@@ -67,7 +69,7 @@ class LossGraph:
         `operations`, depends only on the graph's shape."""
         parents: Parents = {}
         operations: list[tuple[type, tuple[tuple[int, int] | None, ...], tuple]] = []
-        root = self.loss.grad_fn
+        root, batch = self.loss.grad_fn, self.loss.shape[0] if self.loss.dim() else 1
         number: dict[Node, int] = {root: 0} if root is not None else {}
         pending = list(number)
         while pending:
@@ -86,8 +88,8 @@ class LossGraph:
             names = _STRUCTURE_ATTRIBUTES.get(kind)
             if names is None:
                 names = _structure_attributes(node)
-            units = _unit_dims(node) if kind in _SIZED else ()
-            operations.append((kind, tuple(inputs), _dims(node, names) if names else (), units))
+            sizes = _size_classes(node, batch if kind in _RESHAPING else 0) if kind in _SIZED else ()
+            operations.append((kind, tuple(inputs), _dims(node, names) if names else (), sizes))
         return parents, (len(operations), hash(tuple(operations))), number
 
     def reaches_loss(self, edge: GradientEdge) -> bool:
@@ -134,23 +136,30 @@ def _dims(node: Node, names: tuple[str, ...]) -> tuple:
     return (*(getattr(node, name) for name in names), len(metadata[0].shape) if metadata else None)
 
 
-def _unit_dims(node: Node) -> tuple:
-    """Which dims of each of `node`'s outputs have size 1: along such a dim an op mixes nothing (a flip, a cumulative
-    sum, a reshape of `[B, 1, d]` into `[1, B, d]` moves no row), so a layout verified there says nothing of the same
-    ops at another size (a breaker's model verified at T = 1 interleaved its samples' tokens at T = 2, and one sample
-    added 2 C). Asked of the ops that work along dims or saved sizes (`_SIZED`: views, reshapes, reductions,
-    matrix products), not of elementwise ops, which move nothing; () where no dim is 1 (tested first)."""
+def _size_classes(node: Node, batch: int) -> tuple:
+    """Which dims of each of `node`'s outputs have size 1 and, with `batch`, which are a multiple of it: along a dim
+    of size 1 an op mixes nothing (a flip, a cumulative sum, a reshape of `[B, 1, d]` into `[1, B, d]` moves no row),
+    and a reshape's rows follow the samples' only where the dims it merges and splits are multiples of the batch
+    (`[B, T, d]` as `[B T / 2, 2, d]` pairs each sample's tokens at even T, and the last of one sample with the
+    first of the next at odd T): a layout verified at one size says nothing of the same ops at another (breakers'
+    models verified at T = 1 and T = 2 mixed samples at T = 2 and T = 3: one sample added 2 C and 1.7 C). Asked of
+    the ops that work along dims or saved sizes (`_SIZED`), the multiples of reshapes and the like only
+    (`_RESHAPING`), not of elementwise ops, which move nothing. () where no dim is 1 or a multiple (tested first)."""
     shapes = [m.shape for m in node._input_metadata]
-    if not any(1 in shape for shape in shapes):
-        return ()
-    return tuple(tuple(d for d, size in enumerate(shape) if size == 1) for shape in shapes)
+    units = tuple(tuple(d for d, size in enumerate(shape) if size == 1) for shape in shapes)
+    if batch < 2:
+        return units if any(units) else ()
+    multiples = tuple(tuple(d for d, size in enumerate(shape) if size % batch == 0) for shape in shapes)
+    return (units, multiples)
 
 
 #: per node type, the saved attributes `_structure_attributes` names
 _STRUCTURE_ATTRIBUTES: dict[type, tuple[str, ...]] = {}
-#: the node types whose op works along dims or saved sizes or shapes, and custom Functions (`_unit_dims` is asked of
-#: these only)
+#: the node types whose op works along dims or saved sizes or shapes, and custom Functions (`_size_classes` is asked
+#: of these only)
 _SIZED: set[type] = set()
+#: those of them that saved sizes or shapes (views, reshapes, expands, slices: their elements' places depend on them)
+_RESHAPING: set[type] = set()
 
 
 #: saved arguments that are positions, not sizes: where a roll shifts to, where a slice starts and its step, which
@@ -177,6 +186,9 @@ def _structure_attributes(node: Node) -> tuple[str, ...]:
     )
     _STRUCTURE_ATTRIBUTES[type(node)] = names
     opaque = isinstance(node, torch.autograd.function.BackwardCFunction)  # (a custom Function: what it does is unseen)
-    if names or opaque or any("size" in a or "shape" in a for a in saved):
+    sized = any("size" in a or "shape" in a for a in saved)
+    if names or opaque or sized:
         _SIZED.add(type(node))
+    if sized or opaque:
+        _RESHAPING.add(type(node))
     return names

@@ -1805,3 +1805,29 @@ def test_a_reshape_that_follows_the_samples_only_at_some_sizes_is_verified_again
         engine.backward(_sum_loss(model, torch.randn(2, 2, 4, dtype=torch.float64)))
         with pytest.raises(FlashDPError):  # (one sample alone cannot run at odd T: the pairs are two samples')
             engine.backward(_sum_loss(model, torch.randn(2, 3, 4, dtype=torch.float64)))
+
+
+class SharedQuery(nn.Module):
+    """One Linear called on a learnt `[1, d]` query (its output broadcast over the batch) and on the data: where
+    T == B, sizes alone cannot tell which of the broadcast's two dims is the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(1, 4))
+        self.q, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        query, keys = self.q(self.query), self.q(x)
+        weights = torch.softmax((keys * query).sum(-1), -1)
+        return self.head(torch.tanh((weights.unsqueeze(-1) * keys).sum(1)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_broadcast_output_at_t_equal_to_b_after_a_step_where_it_was_not_is_exact(mode):
+    """(A breaker's finding: after a step with T != B, the step with T == B was refused as a call on a batch of
+    one, though a first step with T == B is exact: under Poisson sampling a run stopped the first time B hit T.)
+    An output without the batch whose frontier cannot be found is verified again."""
+    torch.manual_seed(0)
+    shapes = ((2, 4), (4, 4), (3, 6), (6, 6))  # (T a multiple of B on every step: the same sizes' structure)
+    batches = [torch.randn(b, t, 4, dtype=torch.float64) for b, t in shapes]
+    check_steps(SharedQuery().double(), batches, _sum_loss, _rows, [b for b, _ in shapes], mode=mode)

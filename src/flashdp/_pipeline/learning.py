@@ -139,6 +139,18 @@ def shared(
     return found, known.sharing(id(calls[i].module) for i, _ in found)
 
 
+def unshared_without_batch(known: Knowledge, graph: LossGraph, calls: list[Call]) -> bool:
+    """Whether an output of a rule site's call lacks the batch yet is not found shared (`shared`: no frontier where
+    the batch appears above it, as where a broadcast's two dims of size B cannot be told apart, T == B): the norm
+    pass would refuse it as a call on a batch of one, where a verifying pass learns how its parameters are counted
+    (the generic rule of a module enclosing the call), as on a first step of these sizes."""
+    batch = graph.loss.shape[0]
+    if batch < 2:
+        return False
+    lacking = [(o.call, o.index) for o in outputs(known.plan, calls) if lacks_batch(o.meta.shape, o.dim, batch)]
+    return bool(lacking) and not set(lacking) <= shared(known, graph, calls)[0].keys()
+
+
 def _regions(call: Call) -> list[set[Node]]:
     """Per output of the call, the call's part of the graph below it: the nodes from its edge down to the call's
     inputs."""

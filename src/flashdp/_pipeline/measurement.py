@@ -153,8 +153,7 @@ def measure(
     if checking:
         known = known.self_checked(index)
     routed = routing.of(graph, known.plan, calls, known.shared_sites) if batch > 1 else routing.NONE
-    new_structure = not known.trusts(_structure(known.plan, shapes, graph, placed), routed)
-    new_structure = new_structure or (not checking and learning.uncovered(known, graph, calls, parts.registered))
+    new_structure = _new_structure(parts, known, graph, calls, checking, (shapes, placed, routed))
     if checking or new_structure:
         plan = known.plan
         known, checking, refusal = _cover(parts, known, graph, calls, checking, refusal)
@@ -179,6 +178,21 @@ def measure(
     if batch > 1 and verified.decided and (verify or new_structure):
         known = _verified(known, shapes, graph, placed, verified.routed)
     return measurement, known
+
+
+def _new_structure(
+    parts: Parts, known: Knowledge, graph: LossGraph, calls: list[Call], checking: bool, seen: tuple
+) -> bool:
+    """Whether this backward's structure is to be verified: not verified under its routing (`seen`: the calls'
+    shapes, their places in the graph, the routing), using a parameter outside the sites counting it (asked where
+    no self-check covers it anyway), or with an output lacking the batch whose broadcast these sizes cannot place
+    (`learning.unshared_without_batch`)."""
+    shapes, placed, routed = seen
+    if not known.trusts(_structure(known.plan, shapes, graph, placed), routed):
+        return True
+    if not checking and learning.uncovered(known, graph, calls, parts.registered):
+        return True
+    return learning.unshared_without_batch(known, graph, calls)
 
 
 def _modified_inputs(plan: GradientPlan, calls: list[Call]) -> FlashDPError | None:

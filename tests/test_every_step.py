@@ -1831,3 +1831,60 @@ def test_a_broadcast_output_at_t_equal_to_b_after_a_step_where_it_was_not_is_exa
     shapes = ((2, 4), (4, 4), (3, 6), (6, 6))  # (T a multiple of B on every step: the same sizes' structure)
     batches = [torch.randn(b, t, 4, dtype=torch.float64) for b, t in shapes]
     check_steps(SharedQuery().double(), batches, _sum_loss, _rows, [b for b, _ in shapes], mode=mode)
+
+
+class CumsumInFibers(nn.Module):
+    """A cumulative sum over fibers of 4 consecutive elements of the flattened `[B, T, 2]` activations: each
+    sample's own at even T, two samples' at odd T, with no dim of the view a multiple of B = 4 either way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 2), nn.Linear(2, 3)
+
+    def forward(self, x):
+        batch, length, _ = x.shape
+        return self.b(self.a(x).reshape(2, -1, 4).cumsum(-1).reshape(batch, length, 2))
+
+
+class BlockPadded(nn.Module):
+    """A block-wise op on the flattened activations, padded to a multiple of the block (6): blocks are samples at
+    T = 3 (B = 2, d = 2), and hold two samples' elements at T = 5."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 2), nn.Linear(2, 3)
+
+    def forward(self, x):
+        batch, length, _ = x.shape
+        flat = self.a(x).reshape(-1)
+        blocks = F.pad(flat, (0, -flat.numel() % 6)).view(-1, 6)
+        blocks = blocks * blocks.sum(1, keepdim=True)
+        return self.b(blocks.reshape(-1)[: flat.numel()].view(batch, length, 2))
+
+
+def _norms_on_the_batch_graph(model, x):
+    """`[B]` each sample's gradient norm, from the gradient of its loss on the batch's own graph (the models above
+    cannot run one sample alone)."""
+    losses = _sum_loss(model, x)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [torch.autograd.grad(loss, params, retain_graph=True) for loss in losses]
+    return torch.stack([torch.sqrt(sum(g.square().sum() for g in sample)) for sample in grads])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("model_of", "batch", "lengths"), [(CumsumInFibers, 4, (6, 5)), (BlockPadded, 2, (3, 5))])
+def test_flattened_activations_regrouped_across_samples_at_a_later_size_are_verified_again(
+    model_of, batch, lengths, mode
+):
+    """(A breaker's findings: verified where the regrouping kept to each sample, the layout was trusted where it
+    does not, the view's dims falling alike: 1.8 C and 2.55 C.) Whether the leading dims' product is a multiple of
+    B, and the pad's amount, are part of the structure."""
+    torch.manual_seed(0)
+    model = model_of().double()
+    exact, mixing = lengths
+    with flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None) as engine:
+        x = torch.randn(batch, exact, 4, dtype=torch.float64)
+        norms = engine.backward(_sum_loss(model, x))
+        torch.testing.assert_close(norms.double(), _norms_on_the_batch_graph(model, x), rtol=1e-5, atol=1e-6)
+        with pytest.raises(FlashDPError):
+            engine.backward(_sum_loss(model, torch.randn(batch, mixing, 4, dtype=torch.float64)))

@@ -150,7 +150,19 @@ def _size_classes(node: Node, batch: int) -> tuple:
     if batch < 2:
         return units if any(units) else ()
     multiples = tuple(tuple(d for d, size in enumerate(shape) if size % batch == 0) for shape in shapes)
-    return (units, multiples)
+    return (units, multiples, tuple(_whole_samples(shape, batch) for shape in shapes))
+
+
+def _whole_samples(shape: torch.Size, batch: int) -> tuple[int, ...]:
+    """The dims d whose leading dims' product is a multiple of the batch: read as B sample-major blocks, each
+    block of dims d onwards lies in one sample (a cumulative sum over the last dim of `[2, T, 4]` holding `[B, T,
+    2]` stays in each sample at even T only, with no dim a multiple of B either way)."""
+    leading, whole = 1, []
+    for d, size in enumerate(shape[:-1], start=1):
+        leading *= size
+        if leading % batch == 0:
+            whole.append(d)
+    return tuple(whole)
 
 
 #: per node type, the saved attributes `_structure_attributes` names
@@ -163,9 +175,10 @@ _RESHAPING: set[type] = set()
 
 
 #: saved arguments that are positions, not sizes: where a roll shifts to, where a slice starts and its step, which
-#: index a select picks (a constant of the model for ops along time or features; along the batch, another value
-#: pairs other samples' rows)
-_POSITIONS = ("_saved_shifts", "_saved_start", "_saved_step", "_saved_index")
+#: index a select picks, how much a pad adds (a constant of the model for ops along time or features; along the
+#: batch, or on a flattened batch, another value pairs other samples' rows: activations padded to a multiple of a
+#: block size put two samples in one block at some lengths)
+_POSITIONS = ("_saved_shifts", "_saved_start", "_saved_step", "_saved_index", "_saved_pad", "_saved_padding")
 
 
 def _structure_attributes(node: Node) -> tuple[str, ...]:

@@ -127,3 +127,30 @@ def test_skip_is_refused_where_the_second_pass_is_autograds_own(mode):
     fsdp2_like = SimpleNamespace(allows_second_pass=True, reshards_after_forward=True)
     with pytest.raises(FlashDPError, match="nonfinite='skip' with mode='ghost' or 'flash' under FSDP2"):
         clipped_sums_for(settings, fsdp2_like, grad_writes=None)
+
+
+@pytest.mark.parametrize("ratio", [0.75e-45, 2.2e-45, 3.6e-45])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_coefficient_in_float32s_subnormal_range_never_rounds_up(mode, ratio):
+    """(A breaker's finding: a finite float32 gradient of norm 1.2e39 at C = `ratio` times it has a float32
+    subnormal coefficient, and its cast rounded up: the sample added up to 1.86 C.) Coefficients round toward 0."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(16, 16).sign())
+    x, v = torch.randn(3, 16).sign(), torch.full((3, 16), 0.1)
+    x[0], v[0] = x[0] * 1e19, 1e19
+
+    def loss_of(m, rows):
+        return (v[rows].to(m.weight.dtype) * torch.sin(m(x[rows].to(m.weight.dtype)))).sum(-1)
+
+    reference = nn.Linear(16, 16, bias=False).double()
+    reference.load_state_dict(model.state_dict())
+    per_sample = oracle.per_sample_grads(reference, lambda s: loss_of(reference, s), 3)
+    norms = per_sample["weight"].flatten(1).norm(dim=1)
+    c = ratio * float(norms[0])
+    rest = sum(min(1.0, c / (float(n) + 1e-6)) * g for n, g in zip(norms[1:], per_sample["weight"][1:], strict=True))
+    engine = _engine(model, mode=mode, max_grad_norm=c, expected_batch_size=3)
+    engine.backward(loss_of(model, slice(None)))
+    added = float((model.weight.grad.double() - rest).norm())
+    assert 0 < added <= c * (1 + 1e-6)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flashdp._pipeline.clipping import coefficients_in
 from flashdp._pipeline.grad_writes import GradWrites
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm
 from flashdp._pipeline.params import TrainableParam
@@ -89,7 +90,7 @@ def clipped_sums(norms: Norms, coef: Tensor) -> Iterator[tuple[TrainableParam, T
     for param, norm in norms:
         key = (0 if broadcast else param.clip_group, norm.plan.dtype)
         if key not in cast_rows:
-            cast_rows[key] = cast(rows[key[0]], key[1])
+            cast_rows[key] = coefficients_in(rows[key[0]], key[1])
         row_of[param.key] = cast_rows[key]
     summed = _small_rows_summed(norms, row_of)
     norms.reverse()
@@ -177,7 +178,7 @@ class SecondBackward:
             if param.key not in streamed:  # (a call's other parameters, built whole, are summed from their rows)
                 return
             plan = gradient.sum_plan() if kept is None else gradient.sum_plan().dropping(kept)
-            clipped_sum = plan.clipped_sum(cast(rows[param.clip_group if len(rows) > 1 else 0], plan.dtype))
+            clipped_sum = plan.clipped_sum(coefficients_in(rows[param.clip_group if len(rows) > 1 else 0], plan.dtype))
             if matched is not None:  # (else other gradients than those measured: nothing added, said next backward)
                 clipped_sum = torch.where(matched, clipped_sum, 0.0)
                 self._matched.append((param.name, matched))
@@ -201,7 +202,7 @@ class SecondBackward:
         where gradients cancel between a layer and the loss (see `add`)."""
         counted = [param.param for param, _ in norms]
         scale = coef[:1] * self._adapter.second_pass_scale  # [1, B]
-        row_coef = scale[0] if users is None else users.per_row(scale[0])
+        row_coef = coefficients_in(scale[0] if users is None else users.per_row(scale[0]), loss.dtype)
         built = [pair for pair in norms if pair[1].plan is not None]
         norms.clear()
         leaves = self._adapter.graph_leaves([param for param, _ in built])

@@ -34,6 +34,15 @@ def clip_coefficients(style: Clipping, group_norms_sq: Tensor, max_grad_norm: fl
     return coef.expand_as(group_norms_sq)
 
 
+def coefficients_in(coef: Tensor, dtype: torch.dtype) -> Tensor:
+    """Non-negative `coef` cast to `dtype`, rounded toward zero: a coefficient rounded up scales a sample's gradient
+    past its bound (a breaker's norm of 1.2e39 at C = 1e-6 had a float32 subnormal coefficient rounded up: 1.86 C)."""
+    if coef.dtype == dtype:
+        return coef
+    cast = coef.to(dtype)
+    return torch.where(cast.to(coef.dtype) > coef, torch.nextafter(cast, torch.zeros_like(cast)), cast)
+
+
 def least_bound(style: Clipping, max_grad_norm: float, groups: int) -> float:
     """The smallest norm any of `groups` clipping groups is clipped to: `C / sqrt(L)` per layer, else C."""
     return max_grad_norm / groups**0.5 if style == "per_layer" else max_grad_norm

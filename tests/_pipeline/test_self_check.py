@@ -5,6 +5,8 @@ from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import flashdp
@@ -260,7 +262,7 @@ def test_row_sketches_pass_scaled_rows_exactly_and_catch_mixed_ones(shape, dim, 
     batch = 6
     grad = torch.randn(shape, dtype=torch.float64).to(dtype)
     top, generator = self_check._MAX_EXPONENT[dtype], torch.Generator().manual_seed(0)
-    weights = self_check._powers_of_two(batch, top, down, generator).to(grad.device)
+    (weights,) = self_check._weight_passes(batch, top, down, generator).to(grad.device)
     assert (weights <= 1).all() if down else (weights >= 1).all()
     sketch = self_check.RowSketch.of(grad, torch.Size(shape), dim, batch, seed=3)
     by_sample = grad.movedim(dim, 0)
@@ -504,3 +506,33 @@ def test_float16_output_gradients_the_weighted_pass_would_overflow_are_still_com
         else:
             norms = engine.backward(h.sum(1) * weights)
             torch.testing.assert_close(norms.double(), torch.full((16,), 9.0, dtype=torch.float64), rtol=1e-2, atol=0)
+
+
+@given(units=st.integers(0, 300), top=st.sampled_from([3, 15, 30]), down=st.booleans(), seed=st.integers(0, 99))
+@settings(max_examples=60, deadline=None)
+def test_every_two_units_are_weighted_apart_in_some_pass(units, top, down, seed):
+    """With more units than distinct weights, more passes: the fewest that weigh every two units apart, each
+    weight a power of two within its range (at least 1, or at most 1 where rows would overflow)."""
+    passes = self_check._weight_passes(units, top, down, torch.Generator().manual_seed(seed))
+    assert (top + 1) ** (passes.shape[0] - 1) < max(units, 2)
+    exponents = passes.log2()
+    assert ((exponents <= 0) & (exponents >= -top)).all() if down else ((exponents >= 0) & (exponents <= top)).all()
+    assert len({tuple(passes[:, u].tolist()) for u in range(units)}) == units
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_samples_mixing_in_pairs_of_a_16_bit_batch_larger_than_its_weights_are_caught(mode, dtype):
+    """(A breaker's finding: float16's and bfloat16's 4 weights left samples 0 and 1 of 8 with one weight, every
+    time, and a model swapping their loss gradients passed.) Every two samples are weighted apart in some pass."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).to(dtype)
+    swap = torch.tensor([1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17])
+
+    def forward(x):
+        h = model[0](x)
+        return model[2](model[1](h + (h[swap] - h[swap].detach()))).squeeze(1)
+
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None)
+    with engine, pytest.raises(FlashDPError, match="not separable by sample"):
+        engine.backward(forward(torch.randn(18, 4).to(dtype)).float().square())

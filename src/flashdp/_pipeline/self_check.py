@@ -67,8 +67,8 @@ def tolerance(dtypes: Sequence[torch.dtype], tf32: bool = False) -> float:
     return 1e-2 if tf32 else 1e-3
 
 
-#: the largest power-of-two weight exponent per dtype of the loss and outputs (16-bit floats: the range of fp16)
-_MAX_EXPONENT = {torch.float64: 30, torch.float32: 15, torch.bfloat16: 3, torch.float16: 3}
+#: the largest power-of-two weight exponent per dtype of the loss and outputs (bfloat16 has float32's range)
+_MAX_EXPONENT = {torch.float64: 30, torch.float32: 15, torch.bfloat16: 15, torch.float16: 3}
 
 
 #: how far below its dtype's largest value the largest weighted row of an output must stay for the weights to scale
@@ -76,14 +76,21 @@ _MAX_EXPONENT = {torch.float64: 30, torch.float32: 15, torch.bfloat16: 3, torch.
 OVERFLOW_HEADROOM = 2.0**4
 
 
-def _powers_of_two(batch: int, top: int, down: bool, generator: torch.Generator) -> Tensor:
-    """`[B]` power-of-two weights, a random permutation of `2^(k mod (K + 1))`, k = 0..B-1 (`top` = K; with `down`,
-    divided by `2^K`: at most 1): DISTINCT where B <= K + 1 (rows of two samples with the same weight could be
-    swapped unseen), each value used as evenly as possible beyond. Scaling by a power of two is exact in floating
-    point, so a per-sample gradient scales exactly, rounding noise included: the comparison needs no magnitude floor
-    and sees layers whose gradients are tiny next to others'."""
-    exponents = torch.arange(batch, dtype=torch.float64, device="cpu") % (top + 1) - (top if down else 0)
-    return 2.0 ** exponents[torch.randperm(batch, generator=generator, device="cpu")]
+def _weight_passes(units: int, top: int, down: bool, generator: torch.Generator) -> Tensor:
+    """`[P, U]` power-of-two weights of U units for P weighted passes: unit u, numbered `n_u` by a random
+    permutation, weighs `2^(digit p of n_u in base K + 1)` in pass p (`top` = K; with `down`, divided by `2^K`: at
+    most 1), with P the fewest passes that number every unit apart: every two units are weighted apart in at least
+    one pass (rows of two units of one weight could be swapped, or one's loss flow into the other's rows, unseen:
+    with one pass, float16's 4 weights let a model mixing samples 0 and 1 of 8 through every time). Each value is
+    used as evenly as possible in each pass. Scaling by a power of two is exact in floating point, so a per-sample
+    gradient scales exactly, rounding noise included: the comparison needs no magnitude floor and sees layers whose
+    gradients are tiny next to others'."""
+    base, passes = top + 1, 1
+    while base**passes < units:
+        passes += 1
+    number = torch.randperm(units, generator=generator, device="cpu")
+    digits = torch.stack([torch.div(number, base**p, rounding_mode="floor") % base for p in range(passes)])
+    return 2.0 ** (digits.double() - (top if down else 0))
 
 
 def _scales_down(sketches: Sequence[tuple[RowSketch | None, ...]], top: int) -> bool:
@@ -221,17 +228,35 @@ def batch_independence_failures(
     passes)."""
     dtypes = [loss.dtype, *(m.dtype for c in calls for m in c.output_meta)]
     top = min(_MAX_EXPONENT.get(d, 3) for d in dtypes)
-    down = _scales_down(sketches, top)
-    if users is None:
-        weights = _powers_of_two(loss.shape[0], top, down, generator).to(loss.device)
-    else:
-        weights = users.per_row(_powers_of_two(users.count, top, down, generator).to(loss.device))
+    units = loss.shape[0] if users is None else users.count
+    passes = _weight_passes(units, top, _scales_down(sketches, top), generator).to(loss.device)
+    floors = sample_floors(sketches, loss.shape[0], loss.device)
+    others = (other_layouts or {}) if users is None else {}  # (rows of one user share a weight: any dim passes)
+    failing: set[int] = set()
+    elsewhere: set[int] | None = None
+    for weights in passes:  # (a reading passes elsewhere only where it passes in every pass)
+        weights = weights if users is None else users.per_row(weights)
+        failed, passed = _weighted_pass(loss, calls, sketches, batch_dims, (weights, rtol, floors), others)
+        failing |= failed
+        elsewhere = passed if elsewhere is None else elsewhere & passed
+    return sorted(failing), sorted((elsewhere or set()) - failing)
+
+
+def _weighted_pass(
+    loss: Tensor,
+    calls: Sequence[Call],
+    sketches: Sequence[tuple[RowSketch | None, ...]],
+    batch_dims: Sequence[tuple[int, ...]],
+    comparing: tuple[Tensor, float, Tensor],
+    others: OtherLayouts,
+) -> tuple[set[int], set[int]]:
+    """One weighted pass (`comparing`: the `[B]` weights, rtol, the samples' floors): the calls with an output
+    failing its sketch, and those with an output that passes read in one of its other layouts too."""
+    weights, rtol, floors = comparing
     with torch.enable_grad():
         weighted_loss = loss * weights.to(loss.dtype)
-    floors = sample_floors(sketches, loss.shape[0], loss.device)
-    failing: list[int] = []
-    passing_elsewhere: list[int] = []
-    others = (other_layouts or {}) if users is None else {}  # (rows of one user share a weight: any dim passes)
+    failing: set[int] = set()
+    passing_elsewhere: set[int] = set()
 
     def compare(index: int, weighted: tuple[Tensor | None, ...]) -> None:
         """One call's weighted output gradients against its sketches, as the weighted pass computes them."""
@@ -242,14 +267,14 @@ def batch_independence_failures(
             if sketch is None or grad is None:
                 continue
             if sketch.fails(grad, meta.shape, dim, weights, rtol, floors):
-                failing.append(index)
+                failing.add(index)
                 return
             readings = others.get((index, j), ())
             if any(other.passes_with_rows(grad, shape, d, weights, rtol, floors) for shape, d, other in readings):
-                passing_elsewhere.append(index)
+                passing_elsewhere.add(index)
 
     stream_output_gradients(LossGraph(weighted_loss), list(calls), compare, held=(), retain_graph=True)
-    return sorted(failing), sorted(set(passing_elsewhere))
+    return failing, passing_elsewhere
 
 
 def sample_floors(sketches: Sequence[tuple[RowSketch | None, ...]], batch: int, device: torch.device) -> Tensor:

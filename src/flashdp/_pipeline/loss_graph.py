@@ -144,8 +144,13 @@ def _size_classes(node: Node, batch: int) -> tuple:
     first of the next at odd T): a layout verified at one size says nothing of the same ops at another (breakers'
     models verified at T = 1 and T = 2 mixed samples at T = 2 and T = 3: one sample added 2 C and 1.7 C). Asked of
     the ops that work along dims or saved sizes (`_SIZED`), the multiples of reshapes and the like only
-    (`_RESHAPING`), not of elementwise ops, which move nothing. () where no dim is 1 or a multiple (tested first)."""
-    shapes = [m.shape for m in node._input_metadata]
+    (`_RESHAPING`), not of elementwise ops, which move nothing."""
+    return _classes(tuple(tuple(m.shape) for m in node._input_metadata), batch)
+
+
+@functools.lru_cache(maxsize=4096)
+def _classes(shapes: tuple[tuple[int, ...], ...], batch: int) -> tuple:
+    """`_size_classes` of outputs of these shapes (the same shapes recur in every layer: looked up, not computed)."""
     units = tuple(tuple(d for d, size in enumerate(shape) if size == 1) for shape in shapes)
     if batch < 2:
         return units if any(units) else ()
@@ -153,7 +158,7 @@ def _size_classes(node: Node, batch: int) -> tuple:
     return (units, multiples, tuple(_whole_samples(shape, batch) for shape in shapes))
 
 
-def _whole_samples(shape: torch.Size, batch: int) -> tuple[int, ...]:
+def _whole_samples(shape: tuple[int, ...], batch: int) -> tuple[int, ...]:
     """The dims d whose leading dims' product is a multiple of the batch: read as B sample-major blocks, each
     block of dims d onwards lies in one sample (a cumulative sum over the last dim of `[2, T, 4]` holding `[B, T,
     2]` stays in each sample at even T only, with no dim a multiple of B either way)."""

@@ -92,3 +92,27 @@ def test_frozen_parameters_outside_every_unit_are_left_alone():
     norms = workloads.train(expected_model, expected_model, workloads.global_batch(), "bk", 0.0, micro=8)
     expected = [p.detach().clone() for p in expected_model.parameters()]
     assert_steps_of_one_process(run(_rank_run_frozen_outside_the_units), [norms], expected)
+
+
+def _float16_rank_of_its_own_size(rank: int, mode: str) -> str:
+    """A float16 model (4 check weights), rank 0 with 3 samples, rank 1 with 5."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    import flashdp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).half()
+    for unit in (model[0], model[2], model):
+        fully_shard(unit)
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, expected_batch_size=8)
+    x = torch.randn(3 + 2 * rank, 4, generator=torch.Generator().manual_seed(rank)).half()
+    engine.backward(model(x).float().square().sum(1))
+    return "ok"
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_ranks_with_more_and_fewer_samples_than_check_weights_run_the_same_weighted_passes(mode):
+    """(A breaker's finding: the layout check's weighted passes were as many as the LOCAL batch needed, one for 3
+    float16 samples and two for 5: the rank with two waited in FSDP2's all-gather for ever.)"""
+    assert run(_float16_rank_of_its_own_size, mode) == ["ok", "ok"]

@@ -349,10 +349,11 @@ def _verdict(
     failure; raises where nothing does."""
     loss, calls = graph.loss, verifying.calls
     rtol = self_check.tolerance([loss.dtype, *(m.dtype for c in calls for m in c.output_meta)], _in_tf32(graph))
+    widest = parts.on_any_rank([graph.units], loss.device)[0]  # (as many weighted passes on every rank)
     with torch.no_grad(), parts.adapter.norm_pass(), parts.timer.phase("checks"), releasing_packed_inputs(recorded):
         failing, verifying.passing_elsewhere = self_check.batch_independence_failures(
             loss, calls, verifying.sketches, verifying.dims, rtol, parts.check_generator, graph.users,
-            verifying.other_layouts,
+            verifying.other_layouts, widest,
         )  # fmt: skip
     found, learnt = learning.explain_failures(known, graph, calls, failing) if failing else (Found.VERIFIED, known)
     if found is Found.VERIFIED:  # (outputs a later op broadcasts over the batch, passing as per-sample rows)

@@ -76,7 +76,7 @@ _MAX_EXPONENT = {torch.float64: 30, torch.float32: 15, torch.bfloat16: 15, torch
 OVERFLOW_HEADROOM = 2.0**4
 
 
-def _weight_passes(units: int, top: int, down: bool, generator: torch.Generator) -> Tensor:
+def _weight_passes(units: int, top: int, down: bool, generator: torch.Generator, widest: int = 0) -> Tensor:
     """`[P, U]` power-of-two weights of U units for P weighted passes: unit u, numbered `n_u` by a random
     permutation, weighs `2^(digit p of n_u in base K + 1)` in pass p (`top` = K; with `down`, divided by `2^K`: at
     most 1), with P the fewest passes that number every unit apart: every two units are weighted apart in at least
@@ -84,9 +84,10 @@ def _weight_passes(units: int, top: int, down: bool, generator: torch.Generator)
     with one pass, float16's 4 weights let a model mixing samples 0 and 1 of 8 through every time). Each value is
     used as evenly as possible in each pass. Scaling by a power of two is exact in floating point, so a per-sample
     gradient scales exactly, rounding noise included: the comparison needs no magnitude floor and sees layers whose
-    gradients are tiny next to others'."""
+    gradients are tiny next to others'. `widest`: the most units any rank has, which sets P (every rank runs the
+    same passes: under FSDP each is a backward with collectives, and a rank with one more hung the other)."""
     base, passes = top + 1, 1
-    while base**passes < units:
+    while base**passes < max(units, widest):
         passes += 1
     number = torch.randperm(units, generator=generator, device="cpu")
     digits = torch.stack([torch.div(number, base**p, rounding_mode="floor") % base for p in range(passes)])
@@ -219,17 +220,18 @@ def batch_independence_failures(
     generator: torch.Generator,
     users: UserGroups | None = None,
     other_layouts: OtherLayouts | None = None,
+    widest: int = 0,
 ) -> tuple[list[int], list[int]]:
     """The calls (indices) some output of which has gradient rows that are not per-sample, or not per user where
     `users` are given (see the module docstring), from the sketches of the unweighted pass's output gradients; and
     the calls some output of which passed and passes in one of its `other_layouts` too (its rows tell no layout
     apart).
     With fewer than 2 samples there is nothing to compare, but the pass still runs (FSDP ranks must run the same
-    passes)."""
+    passes: `widest`, the most units any rank has, sets their number)."""
     dtypes = [loss.dtype, *(m.dtype for c in calls for m in c.output_meta)]
     top = min(_MAX_EXPONENT.get(d, 3) for d in dtypes)
     units = loss.shape[0] if users is None else users.count
-    passes = _weight_passes(units, top, _scales_down(sketches, top), generator).to(loss.device)
+    passes = _weight_passes(units, top, _scales_down(sketches, top), generator, widest).to(loss.device)
     floors = sample_floors(sketches, loss.shape[0], loss.device)
     others = (other_layouts or {}) if users is None else {}  # (rows of one user share a weight: any dim passes)
     failing: set[int] = set()

@@ -164,10 +164,10 @@ def measure(
     unverifiable = _unverifiable(
         known, graph, calls, shapes, routed, new_structure and not parts.adapter.allows_second_pass
     )
-    verify, checking = _agreed(parts, graph, verify, checking, unverifiable, refusal)
+    verify, checking, widest = _agreed(parts, graph, verify, checking, unverifiable, refusal)
     verified = _Verified(known, True, routed, None)
     if verify:
-        verified, checking = _verify(parts, known, graph, calls, checking, routed, keeps)
+        verified, checking = _verify(parts, known, graph, calls, checking, (routed, widest), keeps)
     known = verified.known
     unit_gradients = _unit_gradients(parts, known, graph, calls, keeps) if checking else None
     done = verified.done or _norm_pass(parts, known, graph, calls, keeps)
@@ -210,19 +210,21 @@ def _agreed(
     checking: bool,
     unverifiable: tuple[list[Ambiguous], list],
     refusal: FlashDPError | None,
-) -> tuple[bool, bool]:
-    """Whether to verify and to self-check, as any rank decides (one agreement); refused on every rank where
-    any rank has a structure it cannot verify (`_unverifiable`) or a refusal of its own."""
+) -> tuple[bool, bool, int]:
+    """Whether to verify and to self-check, as any rank decides, and the most units any rank has (one agreement);
+    refused on every rank where any rank has a structure it cannot verify (`_unverifiable`) or a refusal of its
+    own."""
     unclear, moved = unverifiable
-    flags = [verify, checking, bool(unclear), bool(moved), refusal is not None]
-    verify, checking, refuse, refuse_moved, refused = map(bool, parts.on_any_rank(flags, graph.loss.device))
+    flags = [verify, checking, bool(unclear), bool(moved), refusal is not None, graph.units]
+    *agreed, widest = parts.on_any_rank(flags, graph.loss.device)
+    verify, checking, refuse, refuse_moved, refused = map(bool, agreed)
     if refused:
         raise refusal or another_rank_refused()
     if refuse:
         raise ambiguous_error(unclear)
     if refuse_moved:
         raise routing.unverifiable_error(moved)
-    return verify, checking
+    return verify, checking, widest
 
 
 def _verified(known: Knowledge, shapes: list, graph: LossGraph, placed: tuple, routed: routing.Routing) -> Knowledge:
@@ -286,14 +288,15 @@ def _verify(
     graph: LossGraph,
     calls: list[Call],
     checking: bool,
-    routed: routing.Routing,
+    routing_and_widest: tuple[routing.Routing, int],
     keeps: Keeps,
 ) -> tuple[_Verified, bool]:
     """Verify the layout of `calls`' layers, learning from each failure that explains itself (a layer found not
     batch-first is covered again, which may make the self-check due): the verified pass, and whether the
-    self-check is due."""
+    self-check is due. `routing_and_widest`: the routing above the calls, and the most units any rank has."""
+    routed, widest = routing_and_widest
     for attempt in range(3 * len(calls) + 2):  # each finding teaches something new about one of the calls
-        outcome = _verifying_pass(parts, known, graph, calls, routed, keeps, after_learning=attempt > 0)
+        outcome = _verifying_pass(parts, known, graph, calls, (routed, widest), keeps, after_learning=attempt > 0)
         known = outcome.known
         if isinstance(outcome, _Verified):
             return outcome, checking
@@ -310,7 +313,7 @@ def _verifying_pass(
     known: Knowledge,
     graph: LossGraph,
     calls: list[Call],
-    routed: routing.Routing,
+    routing_and_widest: tuple[routing.Routing, int],
     keeps: Keeps,
     after_learning: bool,
 ) -> _Verified | _Finding:
@@ -319,14 +322,14 @@ def _verifying_pass(
     and nothing for sums (ghost, flash, norms only), the sketching pass is that norm pass (`_Verified.done`), a
     rule's error deferred until the layout explains it or not; else (bk, whose norm pass frees the graph as it
     goes) it computes no norm, and the norm pass runs once the layout is verified."""
-    batch = graph.loss.shape[0]
+    batch, (routed, widest) = graph.loss.shape[0], routing_and_widest
     rule_calls, aliased = _rule_calls(known.plan, calls)
     shared, known = learning.shared(known, graph, rule_calls)
     if batch > 1:
         routed = routing.of(graph, known.plan, rule_calls, known.shared_sites)
     dims = [dims_of(known.plan, c) for c in rule_calls]
     others = [other_readings(known.plan, c, batch) for c in rule_calls]
-    verifying = Verifying(rule_calls, dims, set(shared), batch, others, after_learning)
+    verifying = Verifying(rule_calls, dims, set(shared), batch, others, after_learning, widest)
     if aliased is not None:  # (raised once the layout is verified: learning it may move the parameter to an
         verifying.errors.append(aliased)  # enclosing generic rule, which counts it once)
     done = None
@@ -349,11 +352,10 @@ def _verdict(
     failure; raises where nothing does."""
     loss, calls = graph.loss, verifying.calls
     rtol = self_check.tolerance([loss.dtype, *(m.dtype for c in calls for m in c.output_meta)], _in_tf32(graph))
-    widest = parts.on_any_rank([graph.units], loss.device)[0]  # (as many weighted passes on every rank)
     with torch.no_grad(), parts.adapter.norm_pass(), parts.timer.phase("checks"), releasing_packed_inputs(recorded):
         failing, verifying.passing_elsewhere = self_check.batch_independence_failures(
             loss, calls, verifying.sketches, verifying.dims, rtol, parts.check_generator, graph.users,
-            verifying.other_layouts, widest,
+            verifying.other_layouts, verifying.widest,
         )  # fmt: skip
     found, learnt = learning.explain_failures(known, graph, calls, failing) if failing else (Found.VERIFIED, known)
     if found is Found.VERIFIED:  # (outputs a later op broadcasts over the batch, passing as per-sample rows)

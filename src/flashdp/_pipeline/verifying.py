@@ -30,6 +30,8 @@ class Verifying:
     other_readings: list[tuple[tuple[Reading, ...], ...]]
     #: whether earlier passes of this backward learnt part of the layout (a layer time-major, not batch-first)
     after_learning: bool = False
+    #: the most units any rank has: every rank runs the weighted passes that many need
+    widest: int = 0
     sketches: list[tuple[self_check.RowSketch | None, ...]] = field(init=False)
     #: sketches of the outputs' gradients in their `other_readings`
     other_layouts: dict[tuple[int, int], tuple[self_check.OtherLayout, ...]] = field(default_factory=dict)

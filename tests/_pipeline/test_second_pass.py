@@ -198,7 +198,9 @@ def test_a_swap_of_samples_in_a_time_major_attention_when_run_again_is_named(mod
     def loss(swapping: bool) -> torch.Tensor:
         x = torch.randn(4, 3, 4) * torch.tensor([100.0, 1.0, 1.0]).view(1, 3, 1)
         out = attention(x, x, x, need_weights=False)[0]
-        _changed_on_the_second_run(out, lambda g: g.index_select(1, torch.tensor([1, 0, 2])) if swapping else g)
+        _changed_on_the_second_run(
+            out, lambda g: g.index_select(1, torch.tensor([1, 0, 2], device=g.device)) if swapping else g
+        )
         return (out * weights).sum((0, 2)) * torch.tensor([1.0, 1e-20, 1e-20])
 
     _adds_at_most_c_and_is_named(engine, attention, loss)

@@ -21,7 +21,6 @@ from flashdp._pipeline import coverage, guards
 from flashdp._pipeline.attachment import Attachment
 from flashdp._pipeline.clipped_sums import Keeps, Norms, NormsOnly, clipped_sums_for
 from flashdp._pipeline.clipping import Clipping
-from flashdp._pipeline.determinism import identical_passes
 from flashdp._pipeline.knowledge import Knowledge, SelfCheckSchedule
 from flashdp._pipeline.measurement import Measurement, Parts, measure
 from flashdp._pipeline.param_grad import StrategyChoice
@@ -172,14 +171,13 @@ class DPEngine:
             self.noisy_step.backward_done(0)
             return torch.zeros(0, dtype=torch.float32, device=loss.device)
         # an empty batch on one rank of several still runs every pass: the wrappers' collectives must match
-        with identical_passes(loss.device, self._sums.runs_twice):
-            measured = self._measure(loss, forward, self._sums.keeps, groups, refusal)
-            clip_norms_sq = measured.clip_norms_sq
-            coef, norms = self._coefficients(measured)
-            again, kept, measured = measured.again, _kept(measured), None
-            with self._timer.phase("second pass / bk sums"):
-                self._sums.add(loss, norms, coef, groups, again, kept)
-            del norms, again
+        measured = self._measure(loss, forward, self._sums.keeps, groups, refusal)
+        clip_norms_sq = measured.clip_norms_sq
+        coef, norms = self._coefficients(measured)
+        again, kept, measured = measured.again, _kept(measured), None
+        with self._timer.phase("second pass / bk sums"):
+            self._sums.add(loss, norms, coef, groups, again, kept)
+        del norms, again
         self._users.clipped(clipping)
         provenance = self._attachment.provenance
         provenance.record(self._adapter.accumulated_gradients(self._known.plan.params))

@@ -52,8 +52,6 @@ class Keeps:
 
 
 class BookKeeping:
-    runs_twice = False
-
     def __init__(self, adapter: Adapter, settings: EngineSettings) -> None:
         self._adapter, self._backend = adapter, settings.backend
         self.keeps = Keeps(graph=False, plans=True, for_overflow={})
@@ -137,9 +135,6 @@ def _small_rows_summed(norms: Norms, row_of: dict[Hashable, Tensor]) -> dict[Has
 
 
 class SecondBackward:
-    #: its summing pass is a second backward that must compute the norm pass's gradients again
-    runs_twice = True
-
     def __init__(self, adapter: Adapter, grad_writes: GradWrites, settings: EngineSettings) -> None:
         self._adapter, self._grad_writes, self._backend = adapter, grad_writes, settings.backend
         self.keeps = Keeps(graph=True, plans=False, for_overflow=_overflow_without_plans(adapter))

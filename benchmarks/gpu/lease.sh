@@ -30,10 +30,11 @@ part() {  # part NAME SECONDS COMMAND...: run one part under a time limit, its o
 } >"$OUT/versions.log" 2>&1
 cat "$OUT/versions.log"
 STEP_ARGS=${STEP_ARGS:-}
-for name in ${PARTS:-kernels syncs step autocast tests_kernels tests_cuda_only}; do
+for name in ${PARTS:-determinism kernels syncs step autocast tests_kernels tests_cuda_only}; do
     case $name in
     kernels) part kernels 150 env TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/gpu/kernels.py --quick ;;
     syncs) part syncs 60 python3 benchmarks/gpu/syncs.py ;;
+    determinism) part determinism 60 python3 benchmarks/gpu/determinism.py ;;
     autocast) part autocast 90 python3 benchmarks/gpu/autocast.py ;;
     step) part step "${STEP_LIMIT:-200}" python3 benchmarks/gpu/step.py --out "$OUT/step.jsonl" $STEP_ARGS ;;
     tests_kernels) part tests_kernels 120 python3 -m pytest -q -p no:cacheprovider -p benchmarks.gpu.on_cuda -n 8 \
@@ -50,6 +51,7 @@ for name in ${PARTS:-kernels syncs step autocast tests_kernels tests_cuda_only};
         tests/rules/test_recurrent.py tests/rules/test_conv.py --timeout 80 -rf ;;
     esac
 done
+cat "$OUT"/determinism.log 2>/dev/null
 grep -hs "^| \|passed\|failed\|^FAILED" "$OUT"/kernels.log "$OUT"/syncs.log "$OUT"/autocast.log "$OUT"/host.log \
     "$OUT"/workloads.log "$OUT"/tests_*.log | tail -60
 cat "$OUT"/first_memory.csv 2>/dev/null

@@ -7,6 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+import flashdp
+from flashdp import FlashDPError
 from tests.oracle import check_against_oracle
 from tests.strategies import batches, modes, per_sample_loss
 
@@ -54,3 +56,49 @@ def test_an_expanded_shared_output_is_exact(mode):
     model = ExpandedPrompt().double()
     x = torch.randn(4, 2, 4, dtype=torch.float64)
     check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 4, mode=mode)
+
+
+class BatchContext(nn.Module):
+    """Each sample's features plus a context projected from every sample's and averaged over the batch: the context
+    layer's output `[B, d]` reaches the loss only through a mean over the batch broadcast back, the shape of a
+    shared output (positions) whose dims are B by chance, but it is each sample's rows mixed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main, self.context, self.head = nn.Linear(3, 8), nn.Linear(3, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.main(x) + self.context(x).mean(0, keepdim=True)))[:, 0]
+
+
+MIXING = {
+    "a batch's mean loss expanded to B rows": lambda out: out.square().mean().expand(out.shape[0]),
+    "a batch's summed loss repeated, divided by B": lambda out: out.square().sum().repeat(out.shape[0]) / len(out),
+    "a batch's mean loss times ones": lambda out: out.square().mean() * torch.ones(len(out), dtype=out.dtype),
+}
+
+
+@pytest.mark.parametrize("loss_of", MIXING.values(), ids=MIXING.keys())
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_one_batch_loss_broadcast_to_every_row_is_refused_on_every_step(loss_of, mode):
+    """(A breaker's finding: the layers' outputs, reduced over the batch and broadcast again, passed for outputs
+    shared across the batch, so each row's "sample" was the whole batch's gradient, clipped once per row: every
+    sample's data in every clipped term.) A batch of one cannot mix samples; every larger one is refused, also
+    after steps with per-sample losses."""
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    engine.backward(loss_of(model(torch.randn(1, 3, dtype=torch.float64))))
+    engine.backward(model(torch.randn(4, 3, dtype=torch.float64)).square().sum(1))
+    for batch in (4, 5):
+        with pytest.raises(FlashDPError, match="mix samples"):
+            engine.backward(loss_of(model(torch.randn(batch, 3, dtype=torch.float64))))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_layers_outputs_averaged_over_the_batch_into_every_sample_are_refused(mode):
+    """(Refused before the finding above too: the generic rule of the model, which encloses the layers the check
+    finds mixed, recomputes its output one sample at a time.)"""
+    model = BatchContext().double()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(FlashDPError, match="mixes samples"):
+        engine.backward(model(torch.randn(4, 3, dtype=torch.float64)))

@@ -332,7 +332,8 @@ def batch_independence_error(failing: Sequence[str], every: Sequence[str]) -> Fl
     do for it; the likeliest first (every layer failing points at the loss)."""
     mixing = (
         "the per-sample losses mix samples (a contrastive loss over the batch, a loss or normalisation using batch "
-        "statistics): make loss[i] depend on sample i only"
+        "statistics, one batch loss broadcast to every row as in loss.mean().expand(B)): make loss[i] depend on "
+        "sample i only (reduction='none')"
     )
     layout = (
         "these layers run time-major ([T, B, ...], or with extra positions such as an added bias step: "

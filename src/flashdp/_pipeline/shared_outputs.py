@@ -89,9 +89,25 @@ def outside_frontiers(
             if carrying and _broadcasts(consumer, slots, consumer._input_metadata[carrying[0]].shape, batch):
                 if consumer not in inside:
                     found.append(Frontier(consumer, carrying[0], slots, (node, output_nr)))
+            elif any(_merges_batch_sized(ours, m.shape, batch) for m in consumer._input_metadata):
+                return None  # (rows of samples mixed, then broadcast: not shared, a loss mixing the samples)
             else:
                 pending += [(consumer, j, depth + 1) for j in range(len(consumer._input_metadata))]
     return list(dict.fromkeys(found))
+
+
+def _merges_batch_sized(ours: torch.Size, theirs: torch.Size, batch: int) -> bool:
+    """Whether an op from `ours` to `theirs` leaves fewer dims whose size is a multiple of the batch: a sum, mean,
+    index or product over such a dim, on the way from an output to where the batch appears above it. A shared
+    tensor whose dims are B by chance (positions, T == B) keeps them up to the broadcast; a batch's rows reduced
+    and broadcast again are no shared tensor: each loss row then reads every sample (a per-sample loss taken as
+    `loss.mean().expand(B)`, a layer's outputs averaged over the batch and added to every sample's: breakers'
+    cases clipped the whole batch's gradient once per row)."""
+    return batch > 1 and _batch_sized(theirs, batch) < _batch_sized(ours, batch)
+
+
+def _batch_sized(shape: torch.Size, batch: int) -> int:
+    return sum(1 for size in shape if size >= batch and size % batch == 0)
 
 
 def _introduces_batch(ours: torch.Size, theirs: torch.Size, batch: int) -> bool:

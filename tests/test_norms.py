@@ -236,3 +236,25 @@ def test_output_gradients_that_cancel_downstream_add_at_most_c(mode, seed):
     with engine:
         engine.backward(model(x) * torch.tensor([1.0, 0.0]))  # (sample 1 adds nothing: the sum is sample 0's)
     assert float(model.layer.weight.grad.norm()) <= 1.0 + 1e-5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_ghost_norm_whose_products_underflow_adds_at_most_c(mode):
+    """(A breaker's finding: a float32 sample whose tokens have norm 2e-23, so that every `a_t . a_s` is flushed to
+    0, and whose output gradients are 1e16: a ghost norm of 0, clipped as 0, on a step the self-check did not
+    run: up to 14 C.) Clipping takes a bound that counts what underflowing products can take (`_underflow_sq`)."""
+    torch.manual_seed(0)
+    layer, scale, bound = nn.Linear(16, 16, bias=False), 1e16, 5e-7
+    engine = flashdp.make_private(
+        layer, mode=mode, max_grad_norm=bound, noise_multiplier=0.0, norm_strategy="ghost", self_check=1000
+    )
+    engine.backward(layer(torch.randn(3, 4, 16)).sum((1, 2)) * scale)  # (self-checked: passes)
+    x = torch.randn(3, 4, 16)
+    x[1] = torch.randn(16) * 2e-23 / 4**0.5  # (one tiny token at every position)
+    layer.weight.grad = None
+    with engine:
+        engine.backward(layer(x).sum((1, 2)) * scale * torch.tensor([0.0, 1.0, 0.0]))
+    weight = layer.weight.detach().double().requires_grad_()
+    (true,) = torch.autograd.grad((x[1].double() @ weight.T).sum() * scale, weight)
+    assert float(true.norm()) > 5 * bound, "the sample's gradient is well above the bound"
+    assert float(layer.weight.grad.double().norm()) <= bound * (1 + 1e-5)

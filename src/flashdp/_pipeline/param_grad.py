@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -438,10 +439,7 @@ class ParamGradient:
         if squared:  # (rounds below 0 where its exact value is about 0: sqrt would give NaN; NaN and inf stay)
             total = total.clamp_min(0)
         if squared or materialised is None:  # (a materialised gradient, measured and added as it is, needs none)
-            # (in the factors' dtype: where it overflows, so does the bound, and the norms are taken again in float64)
-            parts_sum = functools.reduce(torch.add, [parts_norm(b, dtype) for b in parts])
-            positions = sum(b.right.shape[1] for b in parts)  # (the factors' and the tokens' sums are added)
-            bound = rounding_bound_sq(total, parts_sum, positions, self._rounding_dtype or dtype, squared)
+            bound = _blocks_bound_sq(total, parts, dtype, self._rounding_dtype or dtype, squared)
         groups = self.blocks[0].conv_groups
         if groups > 1:
             total = total.view(self.batch_size, groups).sum(1)
@@ -474,12 +472,51 @@ def parts_norm(block: OuterGrad, dtype: torch.dtype) -> Tensor:
     return (torch.linalg.vector_norm(block.left, dim=2, dtype=dtype) * right).sum(1)
 
 
+def _blocks_bound_sq(
+    norm_sq: Tensor, blocks: list[OuterGrad], dtype: torch.dtype, rounding_dtype: torch.dtype, squared: bool
+) -> Tensor:
+    """`rounding_bound_sq` of a norm taken from factor `blocks` in `dtype` (where it overflows, so does the bound,
+    and the norms are taken again in float64), with what underflow can take from inner products (`squared`)."""
+    parts_sum = functools.reduce(torch.add, [parts_norm(b, dtype) for b in blocks])
+    positions = sum(b.right.shape[1] for b in blocks)  # (the factors' and the tokens' sums are added)
+    underflow = _underflow_sq(blocks, dtype) if squared else None
+    return rounding_bound_sq(norm_sq, parts_sum, positions, rounding_dtype, squared, underflow)
+
+
+def _underflow_sq(blocks: list[OuterGrad], dtype: torch.dtype) -> Tensor:
+    """`[N]` float64: how far below its exact value a squared norm taken as inner products (the ghost norm
+    `sum_ts (l_t . l_s)(r_t . r_s)`) can be through products flushed to zero below the smallest normal number
+    `tiny` of `dtype`: of the `l_t . l_s`, at most `tiny p` each, `tiny p R^2` in all (R, L: the sums over positions
+    of bounds of `||r_t||`, `||l_t||`; p, d their widths), of the `r_t . r_s` `tiny d L^2`, of their products
+    `tiny T^2`; each also at most `P^2`, P the sum of the bounds of `||l_t|| ||r_t||` (nothing for a zero
+    gradient). The bounds are `sqrt(width)` times the rows' largest magnitudes, exact where a float32 norm of tiny
+    values underflows too. Relative bounds miss it: a breaker's sample of tokens with norm 2e-23 and gradients of
+    1e16 in float32 had every `l_t . l_s` flushed to 0, a norm of 0, and added 14 C."""
+    tiny = torch.finfo(dtype).tiny
+    total = None
+    for block in blocks:
+        positions, width_right = block.right.shape[1], block.right.shape[2]
+        right = torch.linalg.vector_norm(block.right, ord=math.inf, dim=2).double() * math.sqrt(width_right)
+        if block.is_tokens:  # (one-hot rows: norm 1)
+            left, width_left = torch.ones_like(right), 1
+        else:
+            width_left = block.left.shape[2]
+            left = torch.linalg.vector_norm(block.left, ord=math.inf, dim=2).double() * math.sqrt(width_left)
+        ceiling = (left * right).sum(1).square()
+        flushed = (width_left * right.sum(1).square(), width_right * left.sum(1).square())
+        term = sum(torch.minimum(tiny * f, ceiling) for f in flushed) + ceiling.clamp(max=tiny * positions**2)
+        total = term if total is None else total + term
+    return total
+
+
 #: the squared norm computed as a sum of inner products (ghost norms, cross terms) is taken to be off by at most this
 #: many eps S^2: measured near 1e-8 S^2 (about eps S^2) in float32, a worst case not proven (`rounding_bound_sq`)
 INNER_PRODUCTS_ROUNDING = 2.0**5
 
 
-def rounding_bound_sq(norm_sq: Tensor, parts: Tensor, positions: int, dtype: torch.dtype, squared: bool) -> Tensor:
+def rounding_bound_sq(
+    norm_sq: Tensor, parts: Tensor, positions: int, dtype: torch.dtype, squared: bool, underflow: Tensor | None = None
+) -> Tensor:
     """`[N]` float64: the square of a bound on the norms of the true gradient and of the one added to `.grad`, from
     the measured `norm_sq`, S = `parts` (the sum of the parts' own norms) and T = `positions` (the parts one sum
     adds), where the gradient added sums the parts again in another order (bk's GEMM of the factors, ghost's second
@@ -490,12 +527,14 @@ def rounding_bound_sq(norm_sq: Tensor, parts: Tensor, positions: int, dtype: tor
     own error is taken as `2^5 eps S^2` (`INNER_PRODUCTS_ROUNDING`), added under the root; else the measured
     gradient is a sum of the parts too, off by as much as the added one. Where the parts do not cancel the bound is
     close to the norm: S is of order sqrt(T) times it, and the bound about `T^1.5 eps` above it in relative terms
-    (float32, T = 1024: 0.8%). NaN and inf stay as they are."""
+    (float32, T = 1024: 0.8%). `underflow`: `[N]` what products flushed to zero may have taken from a squared norm
+    (`_underflow_sq`), added under the root. NaN and inf stay as they are."""
     eps, parts = torch.finfo(dtype).eps, parts.double()
     once = positions * eps * parts
     measured = norm_sq.double().clamp(min=0)
     if squared:
-        return ((measured + INNER_PRODUCTS_ROUNDING * eps * parts.square()).sqrt() + once).square()
+        inner = measured + INNER_PRODUCTS_ROUNDING * eps * parts.square()
+        return ((inner if underflow is None else inner + underflow).sqrt() + once).square()
     return (measured.sqrt() + 2 * once).square()
 
 

@@ -21,6 +21,7 @@ from flashdp._pipeline import coverage, guards
 from flashdp._pipeline.attachment import Attachment
 from flashdp._pipeline.clipped_sums import Keeps, Norms, NormsOnly, clipped_sums_for
 from flashdp._pipeline.clipping import Clipping
+from flashdp._pipeline.garbage import collection_paused
 from flashdp._pipeline.knowledge import Knowledge, SelfCheckSchedule
 from flashdp._pipeline.measurement import Measurement, Parts, measure
 from flashdp._pipeline.param_grad import StrategyChoice
@@ -104,9 +105,7 @@ class DPEngine:
             settings, self._adapter, self._timer, attached.recorder, lambda: self._adapter.named_parameters(model),
             norm_group, generator, attached.grad_writes, {},
         )  # fmt: skip
-        self._backward_calls = 0
-        self._skipped_samples = 0
-        self._users = UserLedger()
+        self._backward_calls, self._skipped_samples, self._users = 0, 0, UserLedger()
 
     def _commit(self, known: Knowledge) -> None:
         """Trust `known` from now on: the next forward is recorded under its plan, the step noises its parameters."""
@@ -159,6 +158,7 @@ class DPEngine:
         self._skipped_samples = skipped  # (stand-ins are no samples, skipped or not)
         _check_padding_norms(norms)
 
+    @collection_paused()
     def _backward(self, loss: Tensor, users: Tensor | None, counted: bool) -> Tensor:
         """`backward`; `counted`: whether its rows (and users) count as samples (users) of the step."""
         loss, forward, refusal, groups = self._take_forward(loss, check_provenance=True, users=users)

@@ -79,19 +79,28 @@ class BookKeeping:
             self._adapter.accumulation_done()
 
 
+def coefficient_rows(coef: Tensor) -> Callable[[int, torch.dtype], Tensor]:
+    """(clipping group, dtype) -> that group's `[B]` row of `coef` `[L, B]` cast to the dtype, rounded toward zero:
+    one op for every group's row and one cast per (row, dtype), not per parameter (5 ops each)."""
+    rows = coef.unbind()
+    broadcast = len(rows) == 1 or coef.stride(0) == 0  # one row for every group (flat clipping): cast once
+    cast: dict[tuple[int, torch.dtype], Tensor] = {}
+
+    def row_in(group: int, dtype: torch.dtype) -> Tensor:
+        key = (0 if broadcast else group, dtype)
+        if key not in cast:
+            cast[key] = coefficients_in(rows[key[0]], dtype)
+        return cast[key]
+
+    return row_in
+
+
 def clipped_sums(norms: Norms, coef: Tensor) -> Iterator[tuple[TrainableParam, Tensor]]:
     """Each parameter's clipped sum `sum_i coef[l, i] g_i` from its plan (l its clipping group), in the order of
     `norms` (handed over: emptied as the sums are taken, so that each plan is released after its own); `coef`
     `[L, B]`."""
-    rows = coef.unbind()  # (one op for every group's row, and one cast per dtype: not per parameter)
-    broadcast = coef.stride(0) == 0  # one row for every group (flat clipping): cast once
-    cast_rows: dict[tuple[int, torch.dtype], Tensor] = {}
-    row_of: dict[Hashable, Tensor] = {}  # each parameter's coefficients, cast to its plan's dtype
-    for param, norm in norms:
-        key = (0 if broadcast else param.clip_group, norm.plan.dtype)
-        if key not in cast_rows:
-            cast_rows[key] = coefficients_in(rows[key[0]], key[1])
-        row_of[param.key] = cast_rows[key]
+    row_in = coefficient_rows(coef)
+    row_of = {param.key: row_in(param.clip_group, norm.plan.dtype) for param, norm in norms}  # (cast to its plan's)
     summed = _small_rows_summed(norms, row_of)
     norms.reverse()
     while norms:
@@ -172,13 +181,13 @@ class SecondBackward:
         streamed = {param.key for param, norm in norms if norm.plan is None}
         built = [pair for pair in norms if pair[1].plan is not None]
         norms.clear()
-        rows = coef.unbind()
+        row_in = coefficient_rows(coef)
 
         def add_sum(param: TrainableParam, gradient: ParamGradient, matched: Tensor | None) -> None:
             if param.key not in streamed:  # (a call's other parameters, built whole, are summed from their rows)
                 return
             plan = gradient.sum_plan() if kept is None else gradient.sum_plan().dropping(kept)
-            clipped_sum = plan.clipped_sum(coefficients_in(rows[param.clip_group if len(rows) > 1 else 0], plan.dtype))
+            clipped_sum = plan.clipped_sum(row_in(param.clip_group, plan.dtype))
             if matched is not None:  # (else other gradients than those measured: nothing added, said next backward)
                 clipped_sum = torch.where(matched, clipped_sum, 0.0)
                 self._matched.append((param.name, matched))

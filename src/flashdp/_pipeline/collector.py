@@ -251,7 +251,7 @@ class NormCollector:
 
 
 def fingerprint(tensors: Sequence[tuple[Tensor | None, int | None]]) -> Tensor:
-    """int64, per row of each tensor along its given dim (the batch's; None: the whole tensor as one row; None
+    """Integers, per row of each tensor along its given dim (the batch's; None: the whole tensor as one row; None
     tensors skipped): the sum of its elements' bits read as integers, exact modulo 2^32 (2^64 for float64), so
     that an element whose bits change changes it (unless another's change cancels it to the bit), and the bits of
     its norm (accumulated in float32, float64 for float64 tensors). Equal for tensors equal bit for bit;
@@ -268,8 +268,8 @@ def fingerprint(tensors: Sequence[tuple[Tensor | None, int | None]]) -> Tensor:
         norm = torch.linalg.vector_norm(rows, dim=1, dtype=None if wide else torch.float32)
         bits = rows.view(_BITS[t.dtype])
         sums = bits.sum(1, dtype=torch.int64 if bits.dtype == torch.int64 else torch.int32)
-        parts += [sums, norm.double().view(torch.int64)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        parts += [sums, norm.view(_BITS[norm.dtype])]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)  # (cat widens to the widest part)
 
 
 def _rows_in_memory_order(t: Tensor, dim: int) -> Tensor:

@@ -102,3 +102,28 @@ def test_a_layers_outputs_averaged_over_the_batch_into_every_sample_are_refused(
     engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
     with pytest.raises(FlashDPError, match="mixes samples"):
         engine.backward(model(torch.randn(4, 3, dtype=torch.float64)))
+
+
+def test_pairwise_terms_between_a_layers_outputs_are_refused():
+    layer = nn.Linear(3, 2).double()
+    engine = flashdp.make_private(layer, mode="bk", max_grad_norm=1.0, noise_multiplier=0.0)
+    out = layer(torch.randn(4, 3, dtype=torch.float64))
+    with pytest.raises(FlashDPError, match="mix samples"):
+        engine.backward((out.unsqueeze(1) - out.unsqueeze(0)).square().sum((1, 2)))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known hole (docs/assumptions.md, 'Outputs shared across the batch'): a layer's `[B, d]` outputs "
+    "expanded to every sample have the shapes and graph of a `[T, d]` position table with T == B; telling them "
+    "apart needs the provenance of the layer's inputs (sample data or positions), which autograd does not see",
+)
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_layers_outputs_expanded_to_every_sample_are_refused(mode):
+    """(A breaker's finding: every sample attending to the whole batch, `out.unsqueeze(0).expand(B, B, d)`: one
+    sample moved the clipped sum by 2 B C, 64 C at B = 32.)"""
+    layer = nn.Linear(3, 2).double()
+    engine = flashdp.make_private(layer, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    out = layer(torch.randn(4, 3, dtype=torch.float64))
+    with pytest.raises(FlashDPError):
+        engine.backward(out.unsqueeze(0).expand(len(out), -1, -1).sum((1, 2)))

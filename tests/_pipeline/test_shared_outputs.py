@@ -112,18 +112,22 @@ def test_pairwise_terms_between_a_layers_outputs_are_refused():
         engine.backward((out.unsqueeze(1) - out.unsqueeze(0)).square().sum((1, 2)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known hole (docs/assumptions.md, 'Outputs shared across the batch'): a layer's `[B, d]` outputs "
-    "expanded to every sample have the shapes and graph of a `[T, d]` position table with T == B; telling them "
-    "apart needs the provenance of the layer's inputs (sample data or positions), which autograd does not see",
-)
+IN_BATCH = {
+    "every sample attends to the batch": lambda out: out.unsqueeze(0).expand(len(out), -1, -1).sum((1, 2)),
+    "every row reads sample 0": lambda out: out.reshape(1, -1).expand(len(out), -1)[:, :2].sum(1),
+}
+
+
+@pytest.mark.parametrize("loss_of", IN_BATCH.values(), ids=IN_BATCH.keys())
+@pytest.mark.parametrize("depth", [1, 2], ids=["on the data", "on a hidden layer"])
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
-def test_a_layers_outputs_expanded_to_every_sample_are_refused(mode):
-    """(A breaker's finding: every sample attending to the whole batch, `out.unsqueeze(0).expand(B, B, d)`: one
-    sample moved the clipped sum by 2 B C, 64 C at B = 32.)"""
-    layer = nn.Linear(3, 2).double()
-    engine = flashdp.make_private(layer, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
-    out = layer(torch.randn(4, 3, dtype=torch.float64))
-    with pytest.raises(FlashDPError):
-        engine.backward(out.unsqueeze(0).expand(len(out), -1, -1).sum((1, 2)))
+def test_a_layers_outputs_expanded_to_every_sample_are_refused(mode, depth, loss_of):
+    """(A breaker's finding: every sample reading the whole batch's rows, `out.unsqueeze(0).expand(B, B, d)`, has
+    the shapes and graph of a `[T, d]` position table with T == B broadcast to `[B, T, d]`: accepted as shared,
+    one sample moved the clipped sum by 2 B C, 64 C at B = 32.) A layer whose inputs are rows of samples (the
+    data, or computed from another layer's batch) shares no output."""
+    layers = [nn.Linear(3, 3), nn.Tanh()] * (depth - 1) + [nn.Linear(3, 2)]
+    model = nn.Sequential(*layers).double()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(FlashDPError, match="mix samples"):
+        engine.backward(loss_of(model(torch.randn(4, 3, dtype=torch.float64))))

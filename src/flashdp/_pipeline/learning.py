@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 
 from torch import Tensor
 from torch.autograd.graph import Node
+from torch.utils._pytree import tree_leaves
 
 from flashdp._pipeline import coverage, shared_outputs
 from flashdp._pipeline.knowledge import Knowledge
@@ -136,7 +137,47 @@ def shared(
                     frontiers = None  # (mis-shaped, or not reaching the loss, whatever the call's other outputs)
             if frontiers is not None and (frontiers or len(call.edges) > 1):
                 found[(out.call, out.index)] = shared_outputs.SharedOutput(edge, out.meta.shape, frontiers)
+    readers = sample_readers(known, calls, set(found), batch)
+    found = {key: output for key, output in found.items() if key not in readers}
     return found, known.sharing(id(calls[i].module) for i, _ in found)
+
+
+def sample_readers(
+    known: Knowledge, calls: list[Call], candidates: set[tuple[int, int]], batch: int
+) -> set[tuple[int, int]]:
+    """The `candidates` (call, output) that pass for shared across the batch but are computed from rows of samples
+    (`_reads_rows`): a layer's `[B, d]` outputs expanded to every sample, `h.unsqueeze(0).expand(B, B, d)` in
+    in-batch attention, have the shapes and graph of a `[T, d]` table with T == B (a breaker's added 2 B C)."""
+    readers: set[tuple[int, int]] = set()
+    while True:
+        rows = {
+            calls[o.call].edges[o.index].node
+            for o in outputs(known.plan, calls)
+            if ((o.call, o.index) not in candidates or (o.call, o.index) in readers)
+            and not lacks_batch(o.meta.shape, o.dim, batch)
+        }
+        found = {key for key in candidates - readers if _reads_rows(calls[key[0]], key[1], rows, batch)}
+        if not found:
+            return readers
+        readers |= found
+
+
+def _reads_rows(call: Call, index: int, rows: set[Node], batch: int) -> bool:
+    """Whether output `index` of `call` is computed from rows of samples: from `rows` (outputs with the batch),
+    or, for a call of one output, from floating-point data autograd does not track with a multiple of B rows (a
+    layer on the model's input, `Linear(x)`; a position table of T == B rows is read so too, and refused: a
+    batch size that does not divide T tells them apart). A call's other outputs may read the data alone."""
+    node = call.edges[index].node
+    inputs = [child for child, _ in node.next_functions if child is not None] if node is not None else []
+    if len(call.edges) == 1:
+        data = [t for t in _tensors(call) if t.grad_fn is None and not t.requires_grad and t.is_floating_point()]
+        if any(t.dim() and t.shape[0] % batch == 0 for t in data):
+            return True
+    return shared_outputs.computed_from(inputs, rows)
+
+
+def _tensors(call: Call) -> list[Tensor]:
+    return [x for x in tree_leaves((call.args, call.kwargs)) if isinstance(x, Tensor)]
 
 
 def unshared_without_batch(known: Knowledge, graph: LossGraph, calls: list[Call]) -> bool:
@@ -206,6 +247,8 @@ def explain_failures(
     layers were already known not batch-first."""
     batch = graph.loss.shape[0]
     sharing = {i for i in failing if any(graph.frontiers(edge, batch) for edge in calls[i].edges)}
+    candidates = {(i, j) for i in sharing for j in range(len(calls[i].edges))}
+    sharing -= {i for i, _ in sample_readers(known, calls, candidates, batch)}
     time_major = {i: d for i in failing if i not in sharing and (d := time_major_dim(known.plan, calls[i], batch))}
     others = [i for i in failing if i not in sharing and i not in time_major]
     if others and len(set(failing)) == len(calls):  # every layer fails: the losses mix samples

@@ -17,7 +17,7 @@ then sees B copies of its inputs, each with its own output gradient.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -94,6 +94,26 @@ def outside_frontiers(
             else:
                 pending += [(consumer, j, depth + 1) for j in range(len(consumer._input_metadata))]
     return list(dict.fromkeys(found))
+
+
+#: how many autograd nodes below a shared output's inputs are walked for rows of samples (`computed_from`); a
+#: table shared across the batch is computed from parameters and positions in a few ops
+MAX_PROVENANCE = 4096
+
+
+def computed_from(starts: Iterable[Node], nodes: Collection[Node]) -> bool:
+    """Whether what the autograd nodes `starts` compute was computed from the output of one of `nodes` (or is one),
+    or from more ops than `MAX_PROVENANCE` (taken as such: no shared table is)."""
+    pending = list(starts)
+    seen: set[Node] = set()
+    while pending:
+        node = pending.pop()
+        if node in nodes or len(seen) > MAX_PROVENANCE:
+            return True
+        if node not in seen:
+            seen.add(node)
+            pending.extend(child for child, _ in node.next_functions if child is not None)
+    return False
 
 
 def _merges_batch_sized(ours: torch.Size, theirs: torch.Size, batch: int) -> bool:

@@ -131,3 +131,47 @@ def test_a_layers_outputs_expanded_to_every_sample_are_refused(mode, depth, loss
     engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
     with pytest.raises(FlashDPError, match="mix samples"):
         engine.backward(loss_of(model(torch.randn(4, 3, dtype=torch.float64))))
+
+
+class ProjectedTable(nn.Module):
+    """Token embeddings plus a sinusoid table of T positions through a trainable projection, the table given as
+    `[T, d]` (`leading`: as `[1, T, d]`)."""
+
+    def __init__(self, leading: bool) -> None:
+        super().__init__()
+        self.tokens, self.proj, self.head, self.leading = nn.Embedding(7, 4), nn.Linear(4, 4), nn.Linear(4, 3), leading
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], dtype=torch.float64)[:, None] * torch.arange(1, 5)
+        table = torch.sin(positions)
+        return self.head(torch.tanh(self.tokens(ids) + self.proj(table[None] if self.leading else table)))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_table_of_positions_as_long_as_the_batch_is_refused_naming_the_fix_which_is_exact(mode):
+    """A floating-point table of T = B rows given to a layer reads like the data's rows: refused, with the fix
+    (a leading dim of 1), with which every step is exact."""
+    ids = torch.randint(0, 7, (4, 4))
+    model = ProjectedTable(leading=False).double()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(FlashDPError, match=r"table\[None\]"):
+        engine.backward(model(ids).square().sum((1, 2)))
+    model = ProjectedTable(leading=True).double()
+    check_against_oracle(model, lambda s: model(ids[s]).square().sum((1, 2)), 4, mode=mode)
+
+
+class RootOnRows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 2, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[None] @ self.weight  # [1, B, 2]
+
+
+def test_a_root_layer_on_the_batch_moved_to_dim_1_and_expanded_is_refused_not_a_crash():
+    """(A breaker's model crashed in the self-check's sketch with a RuntimeError.)"""
+    model = RootOnRows()
+    engine = flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(FlashDPError):
+        engine.backward(model(torch.randn(4, 3, dtype=torch.float64)).expand(4, 4, 2).sum((1, 2)))

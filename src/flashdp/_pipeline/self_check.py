@@ -341,7 +341,11 @@ def batch_independence_error(failing: Sequence[str], every: Sequence[str]) -> Fl
         "batch-first inputs, or a batch size that does not divide that size, and flashdp finds the layout by size"
     )
     reorder = "rows are reordered inside the forward and not put back: restore the order before the loss"
-    causes = [mixing, layout, reorder] if set(failing) == set(every) else [layout, reorder, mixing]
+    table = (
+        "these layers read a table of positions given as floating-point data whose length happens to be a "
+        "multiple of B (a sinusoid table [T, d] with T = k B): give it a leading dim of 1 (table[None])"
+    )
+    causes = [mixing, layout, reorder, table] if set(failing) == set(every) else [layout, table, reorder, mixing]
     listed = " ".join(f"({k}) {cause};" for k, cause in enumerate(causes, 1))
     return FlashDPError(
         "Self-check failed: the gradient of these layers' outputs is not separable by sample: "

@@ -175,3 +175,14 @@ def test_a_root_layer_on_the_batch_moved_to_dim_1_and_expanded_is_refused_not_a_
     engine = flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=0.0)
     with pytest.raises(FlashDPError):
         engine.backward(model(torch.randn(4, 3, dtype=torch.float64)).expand(4, 4, 2).sum((1, 2)))
+
+
+@pytest.mark.parametrize("made", ["requires_grad_", "plus a perturbation"])
+def test_data_made_to_require_grad_then_expanded_to_every_sample_is_refused(made):
+    """(A breaker's evasion: data that requires grad is no untracked input, and its graph holds no layer's rows.)"""
+    layer = nn.Linear(3, 2).double()
+    engine = flashdp.make_private(layer, mode="bk", max_grad_norm=1.0, noise_multiplier=0.0)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    x = x.requires_grad_() if made == "requires_grad_" else x + torch.zeros_like(x, requires_grad=True)
+    with pytest.raises(FlashDPError, match="mix samples"):
+        engine.backward(layer(x).unsqueeze(0).expand(4, -1, -1).sum((1, 2)))

@@ -5,9 +5,10 @@ commits what a backward learnt only when the backward succeeds."""
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Iterable
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.graph import Node
 from torch.utils._pytree import tree_leaves
 
@@ -172,11 +173,22 @@ def _reads_rows(call: Call, index: int, rows: set[Node], batch: int) -> bool:
     batch size that does not divide T tells them apart). A call's other outputs may read the data alone."""
     node = call.edges[index].node
     inputs = [child for child, _ in node.next_functions if child is not None] if node is not None else []
-    if len(call.edges) == 1:
-        data = [t for t in _tensors(call) if t.grad_fn is None and not t.requires_grad and t.is_floating_point()]
-        if any(t.dim() and t.shape[0] % batch == 0 for t in data):
-            return True
-    return shared_outputs.computed_from(inputs, rows)
+    is_data = functools.partial(_is_data, batch=batch)
+    if len(call.edges) == 1 and any(t.grad_fn is None and _is_data(t, batch) for t in _tensors(call)):
+        return True
+    return shared_outputs.computed_from(inputs, rows, is_data)
+
+
+def _is_data(tensor: Tensor | None, batch: int) -> bool:
+    """Floating-point, no parameter, with a multiple of B rows in dim 0: the data (as given, or made to require
+    grad: `x.requires_grad_()`, an adversarial perturbation `x + delta`), or a table of T = k B positions."""
+    return (
+        isinstance(tensor, Tensor)
+        and not isinstance(tensor, nn.Parameter)
+        and tensor.is_floating_point()
+        and tensor.dim() > 0
+        and tensor.shape[0] % batch == 0
+    )
 
 
 def _tensors(call: Call) -> list[Tensor]:

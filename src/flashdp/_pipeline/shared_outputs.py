@@ -17,7 +17,7 @@ then sees B copies of its inputs, each with its own output gradient.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -101,14 +101,15 @@ def outside_frontiers(
 MAX_PROVENANCE = 4096
 
 
-def computed_from(starts: Iterable[Node], nodes: Collection[Node]) -> bool:
+def computed_from(starts: Iterable[Node], nodes: Collection[Node], is_data: Callable[[Tensor], bool]) -> bool:
     """Whether what the autograd nodes `starts` compute was computed from the output of one of `nodes` (or is one),
-    or from more ops than `MAX_PROVENANCE` (taken as such: no shared table is)."""
+    from a leaf that `is_data` (a tensor requiring grad that is no parameter: the data made to require it), or from
+    more ops than `MAX_PROVENANCE` (taken as such: no shared table is)."""
     pending = list(starts)
     seen: set[Node] = set()
     while pending:
         node = pending.pop()
-        if node in nodes or len(seen) > MAX_PROVENANCE:
+        if node in nodes or len(seen) > MAX_PROVENANCE or is_data(getattr(node, "variable", None)):
             return True
         if node not in seen:
             seen.add(node)

@@ -277,3 +277,39 @@ def test_fingerprints_of_a_transposed_layout_tell_rows_apart_and_read_them_in_pl
     assert torch.equal(found, fingerprint([(grad.clone(), dim)]))
     assert not torch.equal(found, fingerprint([(swapped, dim)]))
     assert not torch.equal(found, fingerprint([(changed, dim)]))
+
+
+class _NoneWhenRunAgain(torch.autograd.Function):
+    """The identity; its backward returns None from its second run on (`runs`: a one-element counter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, runs: list) -> torch.Tensor:
+        ctx.runs = runs
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        ctx.runs[0] += 1
+        return (grad if ctx.runs[0] == 1 else None), None
+
+
+@pytest.mark.parametrize("mode", TWO_PASSES)
+def test_a_call_the_second_pass_does_not_reach_adds_nothing_and_is_named(mode):
+    """(A breaker's finding: a layer called twice on one input, once through a Function whose backward returns None
+    when run again: its per-sample gradients cancel, norm 0, but the second pass received only the other call's
+    part, which nothing fingerprinted as missing: one sample moved the sum by 239 C.) A call the norm pass
+    fingerprinted and the second pass did not reach leaves its parameters' sums out, and is named."""
+    torch.manual_seed(0)
+    layer, other = nn.Linear(3, 2).double(), nn.Linear(3, 1).double()
+    model = nn.ModuleList([layer, other])
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+
+    def loss(cutting: bool) -> torch.Tensor:
+        x = torch.randn(4, 3, dtype=torch.float64) * 100
+        runs = [0 if cutting else -(10**9)]
+        cancelled = (layer(x) - _NoneWhenRunAgain.apply(layer(x), runs)).sum(1)
+        only_first = torch.tensor([1.0, 1e-20, 1e-20, 1e-20], dtype=torch.float64)
+        return (cancelled + other(torch.tanh(x))[:, 0]) * only_first
+
+    _adds_at_most_c_and_is_named(engine, model, loss)
+    assert layer.weight.grad is None or float(layer.weight.grad.norm()) == 0.0

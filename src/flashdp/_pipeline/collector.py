@@ -97,6 +97,7 @@ class NormCollector:
         #: calls whose inputs a checkpoint recomputes in each pass (fingerprinted too: a pass may recompute others)
         self._recomputed = {i for i, c in enumerate(calls) if c.packed} if self._fingerprinting else set()
         self._matched: dict[int, Tensor] = {}  # call -> whether its gradients' fingerprint is the first pass's
+        self._missed: set[Hashable] = set()  # parameters of calls the first pass fingerprinted and this one missed
         self._strategy, self._keep_for_sum, self._backend = strategy, keep_for_sum, backend
         self._recorder, self._shared = recorder, shared or {}
         self._keep_gradients, self._users = keep_gradients, users
@@ -144,6 +145,7 @@ class NormCollector:
         site, keys = self._sites[index]
         if all(g is None for g in grads):
             self._unreached.append(call)  # (checked at the end: an output modified in place hides its gradient)
+            self._miss(index)
         else:
             if call.input_modified():
                 raise call.input_modified_error(site.label)
@@ -185,6 +187,13 @@ class NormCollector:
         same_shape = expected is not None and expected.shape == found.shape
         self._matched[index] = (found == expected).all() if same_shape else found.new_zeros((), dtype=torch.bool)
 
+    def _miss(self, index: int) -> None:
+        """Call `index` reached no loss in a pass compared with a first that fingerprinted it (a custom Function's
+        backward returning None when run again: its part, which cancelled another call's, left out; a breaker's
+        sample added 239 C): its parameters' sums are not added."""
+        if self._expected is not None and self._expected[index] is not None:
+            self._missed.update(self._sites[index][1].values())
+
     def _all_matched(self, parts: list[_Part]) -> Tensor | None:
         """Whether every call of a parameter received the first pass's gradients (a device bool); None where none
         was compared."""
@@ -214,7 +223,8 @@ class NormCollector:
         for part in sorted(parts, key=lambda p: p.call_index) if len(parts) > 1 else parts:
             gradient.add(part.grad, part.source, generic=part.generic)
         if self._sums is not None:
-            self._sums(param, gradient, self._all_matched(parts))
+            missed = torch.zeros((), dtype=torch.bool, device=param.param.device) if key in self._missed else None
+            self._sums(param, gradient, self._all_matched(parts) if missed is None else missed)
             return
         if self._keep_gradients:
             self.gradients[key] = gradient
@@ -239,6 +249,8 @@ class NormCollector:
         for call in self._unreached + [c for c in self._calls if c is not None]:
             if call.modified_in_place():
                 raise call.hidden_by_in_place_error(self.plan.site(call.module).label)
+        for index in (i for i, c in enumerate(self._calls) if c is not None):
+            self._miss(index)
         self._calls = []
         with torch.no_grad(), kernels_backend(self._backend):
             for key in list(self._parts):  # parameters some of whose calls do not reach the loss

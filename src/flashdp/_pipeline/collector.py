@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves
 
 from flashdp._pipeline.norm_pass import OutputGrads, check_call, per_sample_gradients
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice, norms_together
@@ -178,7 +177,7 @@ class NormCollector:
         shaped = [g if g is None or g.shape == m.shape else g.view(m.shape) for g, m in zip(grads, metas, strict=True)]
         rows = [*zip(shaped, dims, strict=True), *((g, 0) for g in self._shared_per_sample(index).values())]
         if index in self._recomputed:
-            rows += [(x, None) for x in tree_leaves((call.args, call.kwargs)) if isinstance(x, Tensor)]
+            rows += [(x, None) for x in call.tensor_inputs()]
         found = fingerprint(rows)
         if self._expected is None:
             self.fingerprints[index] = found

@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterable
 
 from torch import Tensor, nn
 from torch.autograd.graph import Node
-from torch.utils._pytree import tree_leaves
 
 from flashdp._pipeline import coverage, shared_outputs
 from flashdp._pipeline.knowledge import Knowledge
@@ -123,10 +122,10 @@ def shared(
     by_chance: set[tuple[int, int]] = set()  # (outputs with a multiple of B rows: shared only where no sample's)
     regions: dict[int, list[set[Node]]] = {}
     for out in outputs(known.plan, calls):
-        call = calls[out.call]
-        if not lacks_batch(out.meta.shape, out.dim, batch):
+        call, lacking = calls[out.call], lacks_batch(out.meta.shape, out.dim, batch)
+        if not lacking:
             by_chance.add((out.call, out.index))
-        if id(call.module) in known.shared_sites or lacks_batch(out.meta.shape, out.dim, batch):
+        if id(call.module) in known.shared_sites or lacking:
             edge = call.edges[out.index]
             if len(call.edges) == 1:
                 frontiers = graph.frontiers(edge, batch)
@@ -153,7 +152,7 @@ def sample_readers(
     (`_reads_rows`): a layer's `[B, d]` outputs expanded to every sample, `h.unsqueeze(0).expand(B, B, d)` in
     in-batch attention, have the shapes and graph of a `[T, d]` table with T == B (a breaker's added 2 B C)."""
     readers: set[tuple[int, int]] = set()
-    while True:
+    while candidates - readers:  # (none on most steps: this runs in every norm pass)
         rows = {
             calls[o.call].edges[o.index].node
             for o in outputs(known.plan, calls)
@@ -162,8 +161,9 @@ def sample_readers(
         }
         found = {key for key in candidates - readers if _reads_rows(calls[key[0]], key[1], rows, batch)}
         if not found:
-            return readers
+            break
         readers |= found
+    return readers
 
 
 def _reads_rows(call: Call, index: int, rows: set[Node], batch: int) -> bool:
@@ -174,7 +174,7 @@ def _reads_rows(call: Call, index: int, rows: set[Node], batch: int) -> bool:
     node = call.edges[index].node
     inputs = [child for child, _ in node.next_functions if child is not None] if node is not None else []
     is_data = functools.partial(_is_data, batch=batch)
-    if len(call.edges) == 1 and any(t.grad_fn is None and _is_data(t, batch) for t in _tensors(call)):
+    if len(call.edges) == 1 and any(t.grad_fn is None and is_data(t) for t in call.tensor_inputs()):
         return True
     return shared_outputs.computed_from(inputs, rows, is_data)
 
@@ -189,10 +189,6 @@ def _is_data(tensor: Tensor | None, batch: int) -> bool:
         and tensor.dim() > 0
         and tensor.shape[0] % batch == 0
     )
-
-
-def _tensors(call: Call) -> list[Tensor]:
-    return [x for x in tree_leaves((call.args, call.kwargs)) if isinstance(x, Tensor)]
 
 
 def unshared_without_batch(known: Knowledge, graph: LossGraph, calls: list[Call]) -> bool:

@@ -86,11 +86,14 @@ class Call:
         recomputation made in the forward's image (a checkpointed region), which no later change reaches."""
         if self.packed:
             return False
-        leaves = _tensor_leaves(self.args) + _tensor_leaves(self.kwargs)
         return any(
             t is held() and t._version != version
-            for t, (held, version) in zip(leaves, self.watched_inputs, strict=True)
+            for t, (held, version) in zip(self.tensor_inputs(), self.watched_inputs, strict=True)
         )
+
+    def tensor_inputs(self) -> list[Tensor]:
+        """The tensors among the call's arguments, in pytree order."""
+        return _tensor_leaves(self.args) + _tensor_leaves(self.kwargs)
 
     def as_called(self) -> contextlib.AbstractContextManager[None]:
         """Inside, the module (and its descendants) hold the attributes they held at the call (`as_called`)."""

@@ -169,6 +169,9 @@ CASES: dict[str, Callable[[], Case]] = {
     "mbart": lambda: _seq2seq(tf.MBartConfig, tf.MBartForConditionalGeneration, d_model=8, encoder_layers=1,
                               decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
                               encoder_ffn_dim=12, decoder_ffn_dim=12, max_position_embeddings=16, **DROPOUT_FREE),
+    "beit": lambda: _vision(tf.BeitConfig, tf.BeitForImageClassification, hidden_size=8, num_hidden_layers=2,
+                            num_attention_heads=2, intermediate_size=12, image_size=8, patch_size=4,
+                            use_relative_position_bias=True, **DROPOUT_FREE),
     "cohere": lambda: causal_lm(tf.CohereConfig, **DECODER),
     "mixtral": lambda: _float32(causal_lm(tf.MixtralConfig, num_local_experts=4, num_experts_per_tok=2, **DECODER)),
 }  # fmt: skip

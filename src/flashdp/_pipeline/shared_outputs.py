@@ -194,7 +194,8 @@ def capturing_per_sample_gradients(shared: list[SharedOutput], batch: int) -> It
 
 def _through(frontier: Frontier, grad_outputs: tuple, output: SharedOutput, batch: int) -> Tensor:
     """`[B, *shape]`: each sample's part of the frontier's output gradient `[B, ...]`, taken back through the
-    frontier's shared-side input alone, then to the shared tensor."""
+    frontier's shared-side input alone, then to the shared tensor (to its recorded edge, which for an output that
+    is a reshape of an internal tensor is that tensor's: BEiT's `bias.unsqueeze(0)` of `[h, T, T]`)."""
     node, grad = frontier.node, grad_outputs[frontier.output_nr]
     child_shape = frontier.child[0]._input_metadata[frontier.child[1]].shape
     sign = _ADDITIONS.get(node.name())
@@ -207,11 +208,11 @@ def _through(frontier: Frontier, grad_outputs: tuple, output: SharedOutput, batc
             [_local_backward(frontier, grad_outputs, i).sum_to_size(child_shape) for i in range(batch)]
         )
     if frontier.child == (output.edge.node, output.edge.output_nr):
-        return at_child
+        return at_child.reshape(batch, *output.shape)
     (per_sample,) = torch.autograd.grad(
         [GradientEdge(*frontier.child)], [output.edge], [at_child], retain_graph=True, is_grads_batched=True
     )
-    return per_sample
+    return per_sample.reshape(batch, *output.shape)
 
 
 def _local_backward(frontier: Frontier, grad_outputs: tuple, sample: int) -> Tensor:

@@ -163,11 +163,13 @@ def _whisper():
     )
 
 
+@pytest.mark.parametrize("batch, seq", [(3, 5), (4, 4)], ids=["T!=B", "T==B"])
 @pytest.mark.parametrize("build", [_opt, _bart, _whisper], ids=["opt", "bart", "whisper"])
-def test_embedding_subclasses_with_their_own_forward_are_exact(build):
+def test_embedding_subclasses_with_their_own_forward_are_exact(build, batch, seq):
     """Learned position embeddings that subclass nn.Embedding with another forward get the generic rule (Whisper's
-    decoder positions, [T, d] without a batch dim, are also shared across the batch)."""
+    decoder positions, [T, d] without a batch dim, are also shared across the batch; BART's decoder positions are
+    `[1, T, d]` from `[T]` ids, which are positions, not samples, where T equals B)."""
     model, run = build()
     model = model.double().eval()
-    ids = torch.randint(2, VOCAB, (3, 5))
-    check_against_oracle(model, lambda s: run(model, ids[s]).logits.square().mean((1, 2)), 3, rtol=1e-7)
+    ids = torch.randint(2, VOCAB, (batch, seq))
+    check_against_oracle(model, lambda s: run(model, ids[s]).logits.square().mean((1, 2)), batch, rtol=1e-7)

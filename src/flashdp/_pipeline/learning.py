@@ -119,13 +119,10 @@ def shared(
     if batch < 2:
         return {}, known
     found = {}
-    by_chance: set[tuple[int, int]] = set()  # (outputs with a multiple of B rows: shared only where no sample's)
     regions: dict[int, list[set[Node]]] = {}
     for out in outputs(known.plan, calls):
-        call, lacking = calls[out.call], lacks_batch(out.meta.shape, out.dim, batch)
-        if not lacking:
-            by_chance.add((out.call, out.index))
-        if id(call.module) in known.shared_sites or lacking:
+        call = calls[out.call]
+        if id(call.module) in known.shared_sites or lacks_batch(out.meta.shape, out.dim, batch):
             edge = call.edges[out.index]
             if len(call.edges) == 1:
                 frontiers = graph.frontiers(edge, batch)
@@ -140,7 +137,7 @@ def shared(
                     frontiers = None  # (mis-shaped, or not reaching the loss, whatever the call's other outputs)
             if frontiers is not None and (frontiers or len(call.edges) > 1):
                 found[(out.call, out.index)] = shared_outputs.SharedOutput(edge, out.meta.shape, frontiers)
-    readers = sample_readers(known, calls, set(found) & by_chance, batch)
+    readers = sample_readers(known, calls, set(found), batch)
     found = {key: output for key, output in found.items() if key not in readers}
     return found, known.sharing(id(calls[i].module) for i, _ in found)
 

@@ -357,6 +357,7 @@ def _verdict(
             loss, calls, verifying.sketches, verifying.dims, rtol, parts.check_generator, graph.users,
             verifying.other_layouts, verifying.widest,
         )  # fmt: skip
+        failing = sorted({*failing, *verifying.without_batch})
     found, learnt = learning.explain_failures(known, graph, calls, failing) if failing else (Found.VERIFIED, known)
     if found is Found.VERIFIED:  # (outputs a later op broadcasts over the batch, passing as per-sample rows)
         broadcast = learning.calls_broadcast_though_fitting(known, graph, calls)

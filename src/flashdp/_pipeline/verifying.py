@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from flashdp._pipeline import self_check
 from flashdp._pipeline.collector import NormCollector
-from flashdp._pipeline.layout import Reading
+from flashdp._pipeline.layout import Reading, lacks_batch
 from flashdp._pipeline.plan import GradientPlan
 from flashdp._pipeline.recorder import Call
 from flashdp.errors import FlashDPError, another_rank_refused
@@ -37,6 +37,9 @@ class Verifying:
     other_layouts: dict[tuple[int, int], tuple[self_check.OtherLayout, ...]] = field(default_factory=dict)
     #: the calls some output of which passed with its batch read in one of its other dims too
     passing_elsewhere: list[int] = field(default_factory=list)
+    #: the calls an output of which reaches the loss without the batch and not shared across it (an output computed
+    #: from the batch's rows, then broadcast over them: `x[None]`): no rows of its own per sample, failing
+    without_batch: set[int] = field(default_factory=set)
     errors: list[Exception] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -62,6 +65,14 @@ class Verifying:
     def keep(self, index: int, grads: tuple) -> None:
         shared = {j for i, j in self.shared if i == index}
         call = self.calls[index]
+        lacking = {
+            j
+            for j, (meta, dim, grad) in enumerate(zip(call.output_meta, self.dims[index], grads, strict=True))
+            if grad is not None and j not in shared and lacks_batch(meta.shape, dim, self.batch)
+        }
+        if lacking and self.batch > 1:
+            self.without_batch.add(index)
+            shared |= lacking
         self.sketches[index] = self_check.sketch_output_gradients(
             call, grads, self.dims[index], self.batch, shared, seed=index
         )

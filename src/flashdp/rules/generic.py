@@ -35,15 +35,13 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
     batch, rows = call.batch_size, call.rows_per_sample
     leaves, spec = tree_flatten((call.args, call.kwargs))
     leaves = [x.detach() if isinstance(x, Tensor) else x for x in leaves]
-    # inputs of B * k rows, and inputs of B rows where the outputs fold the batch into rows (a router's
-    # `x.view(-1, d)` of `[B, T, d]`): each sample's rows
-    batched = [i for i, x in enumerate(leaves) if _has_batch(x, batch * rows) or _has_batch(x, batch)]
     # (`.data`: the re-run's own version counters: a forward that writes to a parameter in place is refused here,
     # `_refuse_modified_params`, before autograd, holding the parameter, fails on its version in a later pass)
     params = {name: p.data for name, p in call.params.items()}
     # only the outputs that reach the loss: the others add nothing (and may mix samples, like CLIP's logits)
     used = [j for j, g in enumerate(call.grad_outputs) if g is not None]
     shared = tuple(bool(call.shared and call.shared[j]) for j in used)
+    batched = _inputs_by_sample(leaves, batch, rows, bool(shared) and all(shared))
     cotangents = tuple(
         _cotangent(call.output_meta[j], call.grad_outputs[j], is_shared, batch)
         for j, is_shared in zip(used, shared, strict=True)
@@ -249,6 +247,16 @@ def _refuse_unswapped_reads(call: LayerCall, outputs: tuple[Tensor, ...]) -> Non
 
 #: the node of a leaf tensor that requires grad: its gradient accumulator
 _ACCUMULATOR = torch._C._functions.AccumulateGrad
+
+
+def _inputs_by_sample(leaves: list, batch: int, rows: int, all_shared: bool) -> list[int]:
+    """The inputs read one sample at a time: those of B * k rows, and those of B rows where the outputs fold the
+    batch into rows (a router's `x.view(-1, d)` of `[B, T, d]`). None where every output reaching the loss is
+    shared across the batch: such an output is one tensor for all samples, recomputed from the whole inputs (a
+    position embedding's `[T]` ids with T equal to B are positions, not samples)."""
+    if all_shared:
+        return []
+    return [i for i, x in enumerate(leaves) if _has_batch(x, batch * rows) or _has_batch(x, batch)]
 
 
 def _has_batch(x: object, batch: int) -> bool:

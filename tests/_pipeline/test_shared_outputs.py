@@ -186,3 +186,67 @@ def test_data_made_to_require_grad_then_expanded_to_every_sample_is_refused(made
     x = x.requires_grad_() if made == "requires_grad_" else x + torch.zeros_like(x, requires_grad=True)
     with pytest.raises(FlashDPError, match="mix samples"):
         engine.backward(layer(x).unsqueeze(0).expand(4, -1, -1).sum((1, 2)))
+
+
+class BatchStatisticsAndBias(nn.Module):
+    """Two outputs without the batch: the batch's mean of the data through a weight, and a bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+        self.bias = nn.Parameter(torch.randn(3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.mean(0, keepdim=True) @ self.weight, self.bias[None] * 1.0
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_module_of_two_outputs_one_of_them_the_batch_mean_is_refused(mode):
+    """(A breaker's finding: only calls of one output were looked at for the data they read; the mean reached every
+    sample's loss and replacing one sample moved the sum by 2.6 C.)"""
+    stats, head = BatchStatisticsAndBias(), nn.Linear(3, 1).double()
+    model = nn.ModuleDict({"stats": stats, "head": head})
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    x = torch.randn(3, 3, dtype=torch.float64)
+    mean, bias = stats(x)
+    with pytest.raises(FlashDPError, match="not separable by sample"):
+        engine.backward(head(torch.tanh(x + mean + bias)).squeeze(-1).square())
+
+
+class SortedWithPositions(nn.Module):
+    """Sorts the batch by a key, adds a position table (shared across the batch), runs a layer, puts the samples
+    back in order: each loss row is its own sample's, but the rows where the table meets the batch are sorted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = nn.Embedding(5, 3, dtype=torch.float64)
+        self.layer = nn.Linear(3, 3, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        order = torch.argsort(keys, descending=True, stable=True)
+        h = x[order] + self.positions(torch.arange(x.shape[1])[None])
+        return torch.tanh(self.layer(h))[torch.argsort(order)].square().sum((1, 2))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_shared_output_added_to_a_sorted_batch_is_refused_where_the_order_is_not_the_samples(mode):
+    """(A breaker's finding: each sample's gradient of a shared output is read at the rows where it meets the batch,
+    row i as sample i; sorted there, a sample of weight 1e-6 got another's norm and the sum reached 1.4 C.)"""
+    model = SortedWithPositions()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    engine.backward(model(x, torch.tensor([5, 4, 3, 2])))  # (already in order: exact)
+    with pytest.raises(FlashDPError, match="not the loss's samples in order"):
+        engine.backward(model(x, torch.tensor([4, 5, 3, 2])))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_rows_mixed_after_a_shared_output_meets_the_batch_are_refused_without_the_self_check(mode):
+    """(A breaker's finding: a table added to the data, then the batch's mean added to every row; with the table
+    the only trainable layer, nothing else was verified.)"""
+    table = nn.Embedding(5, 3, dtype=torch.float64)
+    engine = flashdp.make_private(table, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None)
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    h = x + table(torch.arange(5))
+    with pytest.raises(FlashDPError, match="not the loss's samples in order"):
+        engine.backward(torch.tanh(h + h.mean(0)).square().sum((1, 2)))

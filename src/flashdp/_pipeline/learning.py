@@ -165,13 +165,15 @@ def sample_readers(
 
 def _reads_rows(call: Call, index: int, rows: set[Node], batch: int) -> bool:
     """Whether output `index` of `call` is computed from rows of samples: from `rows` (outputs with the batch),
-    or, for a call of one output, from floating-point data autograd does not track with a multiple of B rows (a
-    layer on the model's input, `Linear(x)`; a position table of T == B rows is read so too, and refused: a
-    batch size that does not divide T tells them apart). A call's other outputs may read the data alone."""
+    or from floating-point data autograd does not track with a multiple of B rows (a layer on the model's input,
+    `Linear(x)`; a position table of T == B rows is read so too, and refused: a batch size that does not divide T
+    tells them apart). Autograd does not record which of a call's outputs read such data: where the call has
+    several, each is taken to (a breaker's module returning `(x.mean(0, keepdim=True) @ w, b[None])` mixed
+    samples through its first while only calls of one output were looked at)."""
     node = call.edges[index].node
     inputs = [child for child, _ in node.next_functions if child is not None] if node is not None else []
     is_data = functools.partial(_is_data, batch=batch)
-    if len(call.edges) == 1 and any(t.grad_fn is None and is_data(t) for t in call.tensor_inputs()):
+    if any(t.grad_fn is None and is_data(t) for t in call.tensor_inputs()):
         return True
     return shared_outputs.computed_from(inputs, rows, is_data)
 

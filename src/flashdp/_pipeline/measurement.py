@@ -10,6 +10,7 @@ only if the whole backward succeeds. The loss graph is indexed once (`LossGraph`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from torch import Tensor
 from flashdp._pipeline import aliasing, clipping, learning, nonfinite, routing, self_check
 from flashdp._pipeline.clipped_sums import Keeps, Norms, SumSink
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
+from flashdp._pipeline.frontier_rows import FrontierRows
 from flashdp._pipeline.grad_writes import GradWrites
 from flashdp._pipeline.knowledge import Knowledge
 from flashdp._pipeline.layout import (
@@ -330,6 +332,7 @@ def _verifying_pass(
     dims = [dims_of(known.plan, c) for c in rule_calls]
     others = [other_readings(known.plan, c, batch) for c in rule_calls]
     verifying = Verifying(rule_calls, dims, set(shared), batch, others, after_learning, widest)
+    verifying.frontier_rows = FrontierRows.of(shared, batch)
     if aliased is not None:  # (raised once the layout is verified: learning it may move the parameter to an
         verifying.errors.append(aliased)  # enclosing generic rule, which counts it once)
     done = None
@@ -337,7 +340,12 @@ def _verifying_pass(
         with releasing_packed_inputs([c for c in calls if not known.plan.site(c.module).match]):  # (scopes)
             done = _collect(parts, known, graph, list(rule_calls), shared, keeps, verifying)
     else:
-        with parts.timer.phase("checks"), parts.adapter.norm_pass(), releasing_packed_inputs(calls):
+        with (
+            parts.timer.phase("checks"),
+            parts.adapter.norm_pass(),
+            releasing_packed_inputs(calls),
+            verifying.sketching_frontiers(),
+        ):
             stream_output_gradients(graph, list(rule_calls), verifying.keep, held=(), retain_graph=True)
     found, known = _verdict(parts, known, graph, verifying, calls)
     if found is Found.VERIFIED:
@@ -355,9 +363,12 @@ def _verdict(
     with torch.no_grad(), parts.adapter.norm_pass(), parts.timer.phase("checks"), releasing_packed_inputs(recorded):
         failing, verifying.passing_elsewhere = self_check.batch_independence_failures(
             loss, calls, verifying.sketches, verifying.dims, rtol, parts.check_generator, graph.users,
-            verifying.other_layouts, verifying.widest,
+            verifying.other_layouts, verifying.widest, verifying.frontier_rows,
         )  # fmt: skip
         failing = sorted({*failing, *verifying.without_batch})
+    if verifying.frontier_rows and verifying.frontier_rows.failing:
+        labels = [known.plan.site(calls[i].module).label for i in sorted(verifying.frontier_rows.failing)]
+        verifying.errors.insert(0, verifying.frontier_rows.error(labels))
     found, learnt = learning.explain_failures(known, graph, calls, failing) if failing else (Found.VERIFIED, known)
     if found is Found.VERIFIED:  # (outputs a later op broadcasts over the batch, passing as per-sample rows)
         broadcast = learning.calls_broadcast_though_fitting(known, graph, calls)
@@ -449,6 +460,7 @@ def _collect(
         parts.timer.phase("norm pass" if sums is None else "second pass / bk sums"),
         parts.adapter.norm_pass(),
         sharing,
+        verifying.sketching_frontiers() if verifying else contextlib.nullcontext(),
     ):
         stream_output_gradients(
             graph,

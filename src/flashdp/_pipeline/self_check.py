@@ -19,10 +19,11 @@ autograd's own per-sample gradients, taken on the very graph being clipped. It c
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,6 +34,9 @@ from flashdp._pipeline.param_grad import ClippedSumPlan
 from flashdp._pipeline.recorder import Call
 from flashdp._pipeline.users import UserGroups
 from flashdp.errors import FlashDPError
+
+if TYPE_CHECKING:
+    from flashdp._pipeline.frontier_rows import FrontierRows
 
 #: samples whose full per-sample gradients each check compares
 SAMPLES_PER_CHECK = 2
@@ -221,11 +225,13 @@ def batch_independence_failures(
     users: UserGroups | None = None,
     other_layouts: OtherLayouts | None = None,
     widest: int = 0,
+    frontiers: FrontierRows | None = None,
 ) -> tuple[list[int], list[int]]:
     """The calls (indices) some output of which has gradient rows that are not per-sample, or not per user where
     `users` are given (see the module docstring), from the sketches of the unweighted pass's output gradients; and
     the calls some output of which passed and passes in one of its `other_layouts` too (its rows tell no layout
-    apart).
+    apart). `frontiers`: where shared outputs meet the batch, compared in every weighted pass too (their calls
+    that fail are noted there, `FrontierRows.failing`).
     With fewer than 2 samples there is nothing to compare, but the pass still runs (FSDP ranks must run the same
     passes: `widest`, the most units any rank has, sets their number)."""
     dtypes = [loss.dtype, *(m.dtype for c in calls for m in c.output_meta)]
@@ -238,7 +244,9 @@ def batch_independence_failures(
     elsewhere: set[int] | None = None
     for weights in passes:  # (a reading passes elsewhere only where it passes in every pass)
         weights = weights if users is None else users.per_row(weights)
-        failed, passed = _weighted_pass(loss, calls, sketches, batch_dims, (weights, rtol, floors), others)
+        comparing = frontiers.comparing(weights, rtol, floors) if frontiers else contextlib.nullcontext()
+        with comparing:
+            failed, passed = _weighted_pass(loss, calls, sketches, batch_dims, (weights, rtol, floors), others)
         failing |= failed
         elsewhere = passed if elsewhere is None else elsewhere & passed
     return sorted(failing), sorted((elsewhere or set()) - failing)

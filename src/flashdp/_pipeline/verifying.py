@@ -4,10 +4,12 @@ rule's, where the verifying pass is a norm pass) deferred until the layout is kn
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from flashdp._pipeline import self_check
 from flashdp._pipeline.collector import NormCollector
+from flashdp._pipeline.frontier_rows import FrontierRows
 from flashdp._pipeline.layout import Reading, lacks_batch
 from flashdp._pipeline.plan import GradientPlan
 from flashdp._pipeline.recorder import Call
@@ -40,6 +42,8 @@ class Verifying:
     #: the calls an output of which reaches the loss without the batch and not shared across it (an output computed
     #: from the batch's rows, then broadcast over them: `x[None]`): no rows of its own per sample, failing
     without_batch: set[int] = field(default_factory=set)
+    #: where the shared outputs meet the batch, their rows verified as samples too
+    frontier_rows: FrontierRows | None = None
     errors: list[Exception] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -62,15 +66,19 @@ class Verifying:
             return None
         return undecidable_layout_error([site.label for site in sites])
 
+    def sketching_frontiers(self) -> contextlib.AbstractContextManager:
+        """Around the sketching pass: each shared output's frontier rows sketched."""
+        return self.frontier_rows.sketching() if self.frontier_rows else contextlib.nullcontext()
+
     def keep(self, index: int, grads: tuple) -> None:
         shared = {j for i, j in self.shared if i == index}
         call = self.calls[index]
         lacking = {
             j
             for j, (meta, dim, grad) in enumerate(zip(call.output_meta, self.dims[index], grads, strict=True))
-            if grad is not None and j not in shared and lacks_batch(meta.shape, dim, self.batch)
+            if self.batch > 1 and grad is not None and j not in shared and lacks_batch(meta.shape, dim, self.batch)
         }
-        if lacking and self.batch > 1:
+        if lacking:
             self.without_batch.add(index)
             shared |= lacking
         self.sketches[index] = self_check.sketch_output_gradients(

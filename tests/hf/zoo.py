@@ -172,6 +172,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "beit": lambda: _vision(tf.BeitConfig, tf.BeitForImageClassification, hidden_size=8, num_hidden_layers=2,
                             num_attention_heads=2, intermediate_size=12, image_size=8, patch_size=4,
                             use_relative_position_bias=True, **DROPOUT_FREE),
+    "biogpt": lambda: causal_lm(tf.BioGptConfig, **ENCODER, pad_token_id=1, layerdrop=0.0),
     "cohere": lambda: causal_lm(tf.CohereConfig, **DECODER),
     "mixtral": lambda: _float32(causal_lm(tf.MixtralConfig, num_local_experts=4, num_experts_per_tok=2, **DECODER)),
 }  # fmt: skip

@@ -119,10 +119,13 @@ def shared(
     if batch < 2:
         return {}, known
     found = {}
+    by_chance: set[tuple[int, int]] = set()  # (outputs with a multiple of B rows: shared only where no sample's)
     regions: dict[int, list[set[Node]]] = {}
     for out in outputs(known.plan, calls):
-        call = calls[out.call]
-        if id(call.module) in known.shared_sites or lacks_batch(out.meta.shape, out.dim, batch):
+        call, lacking = calls[out.call], lacks_batch(out.meta.shape, out.dim, batch)
+        if not lacking:
+            by_chance.add((out.call, out.index))
+        if id(call.module) in known.shared_sites or lacking:
             edge = call.edges[out.index]
             if len(call.edges) == 1:
                 frontiers = graph.frontiers(edge, batch)
@@ -137,17 +140,24 @@ def shared(
                     frontiers = None  # (mis-shaped, or not reaching the loss, whatever the call's other outputs)
             if frontiers is not None and (frontiers or len(call.edges) > 1):
                 found[(out.call, out.index)] = shared_outputs.SharedOutput(edge, out.meta.shape, frontiers)
-    readers = sample_readers(known, calls, set(found), batch)
+    readers = sample_readers(known, calls, set(found), batch, by_chance)
     found = {key: output for key, output in found.items() if key not in readers}
     return found, known.sharing(id(calls[i].module) for i, _ in found)
 
 
 def sample_readers(
-    known: Knowledge, calls: list[Call], candidates: set[tuple[int, int]], batch: int
+    known: Knowledge,
+    calls: list[Call],
+    candidates: set[tuple[int, int]],
+    batch: int,
+    fitting: set[tuple[int, int]] | None = None,
 ) -> set[tuple[int, int]]:
     """The `candidates` (call, output) that pass for shared across the batch but are computed from rows of samples
     (`_reads_rows`): a layer's `[B, d]` outputs expanded to every sample, `h.unsqueeze(0).expand(B, B, d)` in
-    in-batch attention, have the shapes and graph of a `[T, d]` table with T == B (a breaker's added 2 B C)."""
+    in-batch attention, have the shapes and graph of a `[T, d]` table with T == B (a breaker's added 2 B C). Data
+    untracked by autograd among a call's inputs is taken as read only for the outputs that fit the batch by size
+    (`fitting`, all where None); one without the batch dim reading it is refused by its rule (`generic`'s
+    re-run with the data's values changed: BioGPT's positions take the float attention mask for its shape)."""
     readers: set[tuple[int, int]] = set()
     while candidates - readers:  # (none on most steps: this runs in every norm pass)
         rows = {
@@ -156,14 +166,18 @@ def sample_readers(
             if ((o.call, o.index) not in candidates or (o.call, o.index) in readers)
             and not lacks_batch(o.meta.shape, o.dim, batch)
         }
-        found = {key for key in candidates - readers if _reads_rows(calls[key[0]], key[1], rows, batch)}
+        found = {
+            key
+            for key in candidates - readers
+            if _reads_rows(calls[key[0]], key[1], rows, batch, fitting is None or key in fitting)
+        }
         if not found:
             break
         readers |= found
     return readers
 
 
-def _reads_rows(call: Call, index: int, rows: set[Node], batch: int) -> bool:
+def _reads_rows(call: Call, index: int, rows: set[Node], batch: int, untracked: bool = True) -> bool:
     """Whether output `index` of `call` is computed from rows of samples: from `rows` (outputs with the batch),
     or from floating-point data autograd does not track with a multiple of B rows (a layer on the model's input,
     `Linear(x)`; a position table of T == B rows is read so too, and refused: a batch size that does not divide T
@@ -173,7 +187,7 @@ def _reads_rows(call: Call, index: int, rows: set[Node], batch: int) -> bool:
     node = call.edges[index].node
     inputs = [child for child, _ in node.next_functions if child is not None] if node is not None else []
     is_data = functools.partial(_is_data, batch=batch)
-    if any(t.grad_fn is None and is_data(t) for t in call.tensor_inputs()):
+    if untracked and any(t.grad_fn is None and is_data(t) for t in call.tensor_inputs()):
         return True
     return shared_outputs.computed_from(inputs, rows, is_data)
 

@@ -34,6 +34,7 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
     Returns `{name: [B, *shape]}` for every parameter in `call.params`."""
     batch, rows = call.batch_size, call.rows_per_sample
     leaves, spec = tree_flatten((call.args, call.kwargs))
+    untracked = [i for i, x in enumerate(leaves) if _may_be_data(x, batch)]
     leaves = [x.detach() if isinstance(x, Tensor) else x for x in leaves]
     # (`.data`: the re-run's own version counters: a forward that writes to a parameter in place is refused here,
     # `_refuse_modified_params`, before autograd, holding the parameter, fails on its version in a later pass)
@@ -42,6 +43,8 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
     used = [j for j, g in enumerate(call.grad_outputs) if g is not None]
     shared = tuple(bool(call.shared and call.shared[j]) for j in used)
     batched = _inputs_by_sample(leaves, batch, rows, bool(shared) and all(shared))
+    if bool(shared) and all(shared) and untracked:
+        _refuse_reading_the_data(call, params, (leaves, spec), untracked, tuple(call.output_meta[j].slot for j in used))
     cotangents = tuple(
         _cotangent(call.output_meta[j], call.grad_outputs[j], is_shared, batch)
         for j, is_shared in zip(used, shared, strict=True)
@@ -257,6 +260,44 @@ def _inputs_by_sample(leaves: list, batch: int, rows: int, all_shared: bool) -> 
     if all_shared:
         return []
     return [i for i, x in enumerate(leaves) if _has_batch(x, batch * rows) or _has_batch(x, batch)]
+
+
+def _may_be_data(x: object, batch: int) -> bool:
+    """Floating-point, untracked by autograd, no parameter, a multiple of B rows: what may be the batch's data."""
+    return (
+        isinstance(x, Tensor)
+        and x.is_floating_point()
+        and x.grad_fn is None
+        and not isinstance(x, torch.nn.Parameter)
+        and x.dim() > 0
+        and x.shape[0] % batch == 0
+    )
+
+
+def _refuse_reading_the_data(
+    call: LayerCall, params: dict[str, Tensor], inputs: tuple[list, object], data: list[int], slots: tuple[int, ...]
+) -> None:
+    """Where every output reaching the loss is shared across the batch, the module re-runs on its whole inputs, so
+    its outputs must not read the batch's rows. Autograd does not record what an input untracked by it is (data,
+    a mask, a table): each one that may be data (`_may_be_data`) is replaced by other values (`1 - 2 x`: signs and
+    zeros change) and the outputs must be the same to the bit (BioGPT's positions take the float attention mask
+    for its shape alone; a module returning `x.mean(0, keepdim=True) @ w` reads the samples: refused)."""
+    leaves, spec = inputs
+    probe = [1 - 2 * x if i in data else x for i, x in enumerate(leaves)]
+    same = _batch_outputs(call, params, tree_unflatten(leaves, spec), slots)
+    try:
+        other = _batch_outputs(call, params, tree_unflatten(probe, spec), slots)
+    except _TRANSFORM_ERRORS:  # (values used as indices, say: read all the same)
+        other = None
+    if other is None or any(not torch.equal(a, b) for a, b in zip(same, other, strict=True)):
+        shapes = ", ".join(str(tuple(leaves[i].shape)) for i in data)
+        raise FlashDPError(
+            f"The output of {call.label} has no batch dim and is broadcast over the batch, yet it changes with the "
+            f"values of its floating-point input(s) of shape {shapes}, which may be the batch's data (rows of "
+            "samples): an output shared by every sample must not read them, or each sample's gradient would carry "
+            "the others' rows. Nothing was added to .grad. Keep the batch in dim 0 of that output (compute it per "
+            "sample), or, if that input is a table rather than data, give it a leading dim of 1 (`table[None]`)."
+        )
 
 
 def _has_batch(x: object, batch: int) -> bool:

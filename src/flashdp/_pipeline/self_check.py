@@ -23,7 +23,7 @@ import contextlib
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -34,9 +34,6 @@ from flashdp._pipeline.param_grad import ClippedSumPlan
 from flashdp._pipeline.recorder import Call
 from flashdp._pipeline.users import UserGroups
 from flashdp.errors import FlashDPError
-
-if TYPE_CHECKING:
-    from flashdp._pipeline.frontier_rows import FrontierRows
 
 #: samples whose full per-sample gradients each check compares
 SAMPLES_PER_CHECK = 2
@@ -215,6 +212,13 @@ OtherLayout = tuple[torch.Size, int, RowSketch]
 OtherLayouts = Mapping[tuple[int, int], tuple[OtherLayout, ...]]
 
 
+class ComparedRows(Protocol):
+    """More rows compared in each weighted pass (`frontier_rows.FrontierRows`: where shared outputs meet the
+    batch)."""
+
+    def comparing(self, weights: Tensor, rtol: float, floors: Tensor) -> contextlib.AbstractContextManager: ...
+
+
 def batch_independence_failures(
     loss: Tensor,
     calls: Sequence[Call],
@@ -225,7 +229,7 @@ def batch_independence_failures(
     users: UserGroups | None = None,
     other_layouts: OtherLayouts | None = None,
     widest: int = 0,
-    frontiers: FrontierRows | None = None,
+    frontiers: ComparedRows | None = None,
 ) -> tuple[list[int], list[int]]:
     """The calls (indices) some output of which has gradient rows that are not per-sample, or not per user where
     `users` are given (see the module docstring), from the sketches of the unweighted pass's output gradients; and

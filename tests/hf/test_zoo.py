@@ -114,3 +114,16 @@ def test_reformers_reversible_layers_writing_their_own_gradients_are_refused(mod
         with pytest.raises(flashdp.FlashDPError, match=r"something other than flashdp wrote to the \.grad of"):
             engine.backward(flashdp.per_sample_lm_loss(logits, ids))
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_batch_as_large_as_a_stage_s_window_count_is_exact(mode, monkeypatch):
+    """Swin's shifted-window attention takes `[B * nW, n, d]` windows and a mask of one row per window `[nW, n,
+    n]`: with B == nW (4 here; 4, 16 and 64 for Swin-T at 224 px) a check of sizes alone would take the mask's
+    rows for samples."""
+    monkeypatch.setattr(zoo, "B", 4)
+    monkeypatch.setattr(zoo, "LABELS", torch.arange(4) % 3)
+    case = CASES["swin"]()
+    model = case.build().to(case.dtype).eval()
+    check_against_oracle(model, lambda s: case.loss(model, s), 4, mode=mode, rtol=1e-6)

@@ -173,6 +173,9 @@ CASES: dict[str, Callable[[], Case]] = {
                             num_attention_heads=2, intermediate_size=12, image_size=8, patch_size=4,
                             use_relative_position_bias=True, **DROPOUT_FREE),
     "biogpt": lambda: causal_lm(tf.BioGptConfig, **ENCODER, pad_token_id=1, layerdrop=0.0),
+    "swin": lambda: _vision(tf.SwinConfig, tf.SwinForImageClassification, image_size=8, patch_size=2, embed_dim=8,
+                            depths=[2, 1], num_heads=[2, 2], window_size=2, mlp_ratio=1.5, drop_path_rate=0.0,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
     "cohere": lambda: causal_lm(tf.CohereConfig, **DECODER),
     "mixtral": lambda: _float32(causal_lm(tf.MixtralConfig, num_local_experts=4, num_experts_per_tok=2, **DECODER)),
 }  # fmt: skip

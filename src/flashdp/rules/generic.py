@@ -253,13 +253,18 @@ _ACCUMULATOR = torch._C._functions.AccumulateGrad
 
 
 def _inputs_by_sample(leaves: list, batch: int, rows: int, all_shared: bool) -> list[int]:
-    """The inputs read one sample at a time: those of B * k rows, and those of B rows where the outputs fold the
-    batch into rows (a router's `x.view(-1, d)` of `[B, T, d]`). None where every output reaching the loss is
-    shared across the batch: such an output is one tensor for all samples, recomputed from the whole inputs (a
-    position embedding's `[T]` ids with T equal to B are positions, not samples)."""
+    """The inputs read one sample at a time: those of B * k rows where the outputs have k rows per sample, or,
+    where no input has, those of B rows (a router folding `[B, T, d]` into `x.view(-1, d)`): beside inputs of
+    B * k rows, an input of B rows is another table (Swin's attention mask of one row per window, `[nW, n, n]`,
+    with nW equal to B, beside `[B * nW, n, d]` windows). None where every output reaching the loss is shared
+    across the batch: such an output is one tensor for all samples, recomputed from the whole inputs (a position
+    embedding's `[T]` ids with T equal to B are positions, not samples)."""
     if all_shared:
         return []
-    return [i for i, x in enumerate(leaves) if _has_batch(x, batch * rows) or _has_batch(x, batch)]
+    folded = [i for i, x in enumerate(leaves) if _has_batch(x, batch * rows)]
+    if rows == 1 or folded:
+        return folded
+    return [i for i, x in enumerate(leaves) if _has_batch(x, batch)]
 
 
 def _may_be_data(x: object, batch: int) -> bool:

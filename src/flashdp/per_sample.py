@@ -287,6 +287,9 @@ class LayerCall:
     default_device: torch.device | None = None
     #: for a rule registered with `random`, the random number generators' state as the call began
     rng_state: RngState | None = None
+    #: the tensor inputs (indices in `torch.utils._pytree.tree_flatten((args, kwargs))` order) computed from
+    #: outputs shared across the batch and parameters alone: not rows of samples, whatever their size
+    shared_inputs: frozenset[int] = frozenset()
     label: str = field(default="", compare=False)
 
     def arguments(self, of: type[nn.Module] | None = None) -> dict[str, object]:

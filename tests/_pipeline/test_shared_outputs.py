@@ -250,3 +250,44 @@ def test_rows_mixed_after_a_shared_output_meets_the_batch_are_refused_without_th
     h = x + table(torch.arange(5))
     with pytest.raises(FlashDPError, match="not the loss's samples in order"):
         engine.backward(torch.tanh(h + h.mean(0)).square().sum((1, 2)))
+
+
+class HeadBias(nn.Module):
+    """A relative bias `[H, T, T]` shared by every sample: the parameter itself, or computed from it."""
+
+    def __init__(self, heads: int, seq: int, computed: bool) -> None:
+        super().__init__()
+        self.table = nn.Parameter(0.3 * torch.randn(heads, seq, seq, dtype=torch.float64))
+        self.computed = computed
+
+    def forward(self) -> torch.Tensor:
+        return torch.tanh(self.table) if self.computed else self.table
+
+
+class BiasedAttention(nn.Module):
+    """Raw parameters (the generic rule) and a bias given as an argument, broadcast over the batch."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.qkv = nn.Parameter(0.5 * torch.randn(3, dim, dim, dtype=torch.float64))
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = ((x @ w).view(b, t, self.heads, d // self.heads).transpose(1, 2) for w in self.qkv)
+        return (torch.softmax(q @ k.transpose(-1, -2) + bias, -1) @ v).transpose(1, 2).reshape(b, t, d)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("computed", [False, True], ids=["parameter", "computed"])
+def test_a_shared_bias_given_to_a_generic_layer_is_not_sliced_where_its_size_is_the_batch(mode, computed):
+    """(A breaker's finding: the generic rule read every input with B rows by sample, a shared bias of H == B
+    heads included, and refused.)"""
+    heads, seq = 2, 5
+    model = nn.ModuleDict({"bias": HeadBias(heads, seq, computed), "attention": BiasedAttention(4, heads)})
+    x = torch.randn(heads, seq, 4, dtype=torch.float64)
+
+    def loss_of(s: slice) -> torch.Tensor:
+        return model["attention"](x[s], model["bias"]()).square().sum((1, 2))
+
+    check_against_oracle(model, loss_of, heads, mode=mode)

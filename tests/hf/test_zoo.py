@@ -127,3 +127,15 @@ def test_a_batch_as_large_as_a_stage_s_window_count_is_exact(mode, monkeypatch):
     case = CASES["swin"]()
     model = case.build().to(case.dtype).eval()
     check_against_oracle(model, lambda s: case.loss(model, s), 4, mode=mode, rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_batch_as_large_as_deberta_s_relative_positions_is_exact(mode, monkeypatch):
+    """DeBERTa's attention takes its relative embeddings `[2 k, d]` (k position buckets, 4 here; 256 in DeBERTa-v3,
+    so B = 512) as an argument: with B == 2 k a check of sizes alone would take their rows for samples."""
+    monkeypatch.setattr(zoo, "B", 8)
+    monkeypatch.setattr(zoo, "LABELS", torch.arange(8) % 3)
+    case = CASES["deberta_v3"]()
+    model = case.build().to(case.dtype).eval()
+    check_against_oracle(model, lambda s: case.loss(model, s), 8, mode=mode, rtol=1e-6)

@@ -16,13 +16,14 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_flatten
 
-from flashdp._pipeline.norm_pass import OutputGrads, check_call, per_sample_gradients
+from flashdp._pipeline.norm_pass import OutputGrads, Sharing, check_call, per_sample_gradients
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice, norms_together
 from flashdp._pipeline.params import TrainableParam
 from flashdp._pipeline.plan import GradientPlan, Site
 from flashdp._pipeline.recorder import Call, Recorder, as_called
-from flashdp._pipeline.shared_outputs import SharedOutput
+from flashdp._pipeline.shared_outputs import SharedOutput, shared_inputs
 from flashdp._pipeline.users import UserGroups
 from flashdp.errors import FlashDPError
 from flashdp.kernels import Backend
@@ -99,6 +100,10 @@ class NormCollector:
         self._missed: set[Hashable] = set()  # parameters of calls the first pass fingerprinted and this one missed
         self._strategy, self._keep_for_sum, self._backend = strategy, keep_for_sum, backend
         self._recorder, self._shared = recorder, shared or {}
+        #: every call's output nodes (kept only where outputs are shared: `_shared_inputs`), then those split into
+        #: the shared outputs' and the others'
+        self._all_output_nodes = {e.node for c in calls for e in c.edges} if self._shared else set()
+        self._output_nodes: tuple[set, set] | None = None
         self._keep_gradients, self._users = keep_gradients, users
         self._pending: dict[Hashable, int] = {}  # parameter -> calls counting it not yet received
         self._params: dict[Hashable, TrainableParam] = {}
@@ -212,7 +217,17 @@ class NormCollector:
             shapes = [self.plan.param_of[(id(call.module), name)].shape for name in site.trainable]
             like = next(g for g in grads if g is not None)
             return {name: like.new_zeros(0, *shape) for name, shape in zip(site.trainable, shapes, strict=True)}
-        return per_sample_gradients(site, call, grads, self.batch, self._shared_per_sample(index), dims)
+        inputs = self._shared_inputs(call) if site.match.rule.per_call else frozenset()
+        sharing = Sharing(self._shared_per_sample(index), inputs)
+        return per_sample_gradients(site, call, grads, self.batch, sharing, dims)
+
+    def _shared_inputs(self, call: Call) -> frozenset[int]:
+        """`LayerCall.shared_inputs` of a call (of its parameters alone where no output is shared in this pass)."""
+        if self._output_nodes is None:
+            shared = {output.edge.node for output in self._shared.values()}
+            self._output_nodes = (shared, {n for n in self._all_output_nodes if n not in shared})
+        leaves, _ = tree_flatten((call.args, call.kwargs))
+        return shared_inputs(leaves, *self._output_nodes, self.batch)
 
     def _finalise(self, key: Hashable) -> None:
         param, parts = self._params[key], self._parts.pop(key)

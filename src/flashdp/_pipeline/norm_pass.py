@@ -5,6 +5,7 @@ rule turning one call's output gradients into per-sample gradients."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -181,12 +182,20 @@ def check_call(
     return dims
 
 
+class Sharing(NamedTuple):
+    """What of one call is shared across the batch."""
+
+    #: output index -> the per-sample gradient `[B, *shape]` of an output shared across the batch
+    outputs: dict[int, Tensor]
+    #: `LayerCall.shared_inputs`, for a per-call rule
+    inputs: frozenset[int] = frozenset()
+
+
 def per_sample_gradients(
-    site: Site, call: Call, grads: OutputGrads, batch: int, shared: dict[int, Tensor], dims: tuple[int, ...]
+    site: Site, call: Call, grads: OutputGrads, batch: int, shared: Sharing, dims: tuple[int, ...]
 ) -> dict[str, PerSampleGrad]:
     """Per trainable parameter of a rule site, its per-sample gradient from one call (checked by `check_call`,
-    which gave its outputs' batch `dims`). shared: output index -> the per-sample gradient `[B, *shape]` of an
-    output shared across the batch."""
+    which gave its outputs' batch `dims`)."""
     per_sample = _run_rule(site, call, grads, batch, shared, dims)
     missing = set(site.trainable) - set(per_sample)
     if missing:
@@ -203,11 +212,11 @@ def per_sample_gradients(
 
 
 def _run_rule(
-    site: Site, call: Call, grads: OutputGrads, batch: int, shared: dict[int, Tensor], dims: tuple[int, ...]
+    site: Site, call: Call, grads: OutputGrads, batch: int, sharing: Sharing, dims: tuple[int, ...]
 ) -> dict[str, PerSampleGrad]:
     """The site's rule on one call. An output shared across the batch brings its per-sample gradient
     `[B, *shape]`; a simple rule then sees B copies of the call's inputs."""
-    rule = site.match.rule
+    rule, shared = site.match.rule, sharing.outputs
     rows = _rows_per_sample(call, dims, batch, shared)
     if not rule.per_call:
         inputs, shape = call.inputs, call.output_meta[0].shape
@@ -239,6 +248,7 @@ def _run_rule(
         rng_state=call.rng_state,
         frozen=call.frozen,
         label=site.label,
+        shared_inputs=sharing.inputs,
     )
     return rule.per_sample_grads(layer_call)
 

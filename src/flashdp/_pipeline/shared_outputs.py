@@ -17,7 +17,7 @@ then sees B copies of its inputs, each with its own output gradient.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -115,6 +115,48 @@ def computed_from(starts: Iterable[Node], nodes: Collection[Node], is_data: Call
             seen.add(node)
             pending.extend(child for child, _ in node.next_functions if child is not None)
     return False
+
+
+def shared_inputs(
+    call_inputs: Sequence, shared: Collection[Node], batched: Collection[Node], batch: int
+) -> frozenset[int]:
+    """The indices of a call's tensor inputs (flattened, `call_inputs`) whose size looks like rows of samples (a
+    multiple of B in dim 0) but that are computed from outputs shared across the batch (`shared`: their nodes) and
+    parameters alone, reaching no output with the batch (`batched`) nor a leaf that is no parameter (DeBERTa's
+    relative embeddings `[2 k, d]` with 2 k == B, a relative bias `[H, T, T]` with H == B, given to a layer); and
+    the parameters given as inputs."""
+    return frozenset(
+        i
+        for i, x in enumerate(call_inputs)
+        if isinstance(x, Tensor)
+        and x.dim() > 0
+        and x.shape[0] % batch == 0
+        and (
+            isinstance(x, torch.nn.Parameter)
+            or (bool(shared) and x.grad_fn is not None and _from_shared_alone(x.grad_fn, shared, batched))
+        )
+    )
+
+
+def _from_shared_alone(start: Node, shared: Collection[Node], batched: Collection[Node]) -> bool:
+    """Whether the graph below `start` reaches a shared output's node, and no batch output's nor a leaf that is no
+    parameter within `MAX_PROVENANCE` nodes (not descending past the shared outputs)."""
+    pending, seen, reached = [start], set(), False
+    while pending:
+        node = pending.pop()
+        if node in batched or len(seen) > MAX_PROVENANCE:
+            return False
+        if node in shared:
+            reached = True
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and not isinstance(variable, torch.nn.Parameter):
+            return False  # (a leaf requiring grad that is no parameter: data made to require it)
+        pending.extend(child for child, _ in node.next_functions if child is not None)
+    return reached
 
 
 def _merges_batch_sized(ours: torch.Size, theirs: torch.Size, batch: int) -> bool:

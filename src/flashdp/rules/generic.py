@@ -42,7 +42,9 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
     # only the outputs that reach the loss: the others add nothing (and may mix samples, like CLIP's logits)
     used = [j for j, g in enumerate(call.grad_outputs) if g is not None]
     shared = tuple(bool(call.shared and call.shared[j]) for j in used)
-    batched = _inputs_by_sample(leaves, batch, rows, bool(shared) and all(shared))
+    batched = [
+        i for i in _inputs_by_sample(leaves, batch, rows, bool(shared) and all(shared)) if i not in call.shared_inputs
+    ]
     if bool(shared) and all(shared) and untracked:
         _refuse_reading_the_data(call, params, (leaves, spec), untracked, tuple(call.output_meta[j].slot for j in used))
     cotangents = tuple(

@@ -291,3 +291,50 @@ def test_a_shared_bias_given_to_a_generic_layer_is_not_sliced_where_its_size_is_
         return model["attention"](x[s], model["bias"]()).square().sum((1, 2))
 
     check_against_oracle(model, loss_of, heads, mode=mode)
+
+
+class MaskedTable(nn.Module):
+    """A table `[T, d]` scaled by how many samples' mask is set at each position: it reads every sample."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(seq, 2, dtype=torch.float64))
+
+    def forward(self, mask: torch.Tensor) -> torch.Tensor:
+        given = mask if mask.dtype == torch.bool else ~mask.isnan()  # (NaN: a missing value)
+        return self.table * given.to(self.table.dtype).mean(0)[:, None]
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("mask", ["bool", "nan"])
+def test_a_shared_output_reading_the_batch_s_masks_is_refused(mode, mask):
+    """(A breaker's evasions of the generic rule's re-run with the data changed: a boolean mask was not changed,
+    nor were NaN markers by `1 - 2 x`; both mixed samples silently, 2-6% off.)"""
+    table = MaskedTable(4)
+    engine = flashdp.make_private(table, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    x = torch.randn(3, 4, 2, dtype=torch.float64)
+    given = x[..., 0] > 0 if mask == "bool" else torch.where(x[..., 0] > 0, 1.0, torch.nan)
+    with pytest.raises(FlashDPError, match="may be the batch's data"):
+        engine.backward(torch.tanh(x + table(given)).square().sum((1, 2)))
+
+
+class RawBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 2, dtype=torch.float64))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ self.weight)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_data_plus_a_position_table_given_to_a_generic_layer_is_read_by_sample(mode):
+    """(A breaker's false refusal: `x + positions` with untracked data `x` reaches only the shared table in its
+    graph, and was taken for shared; the addition is the table's frontier, where the batch appears.)"""
+    model = nn.ModuleDict({"positions": nn.Embedding(4, 2, dtype=torch.float64), "block": RawBlock()})
+    x = torch.randn(3, 4, 2, dtype=torch.float64)
+
+    def loss_of(s: slice) -> torch.Tensor:
+        return model["block"](x[s] + model["positions"](torch.arange(4))).sum((1, 2))
+
+    check_against_oracle(model, loss_of, 3, mode=mode)

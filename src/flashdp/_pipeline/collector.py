@@ -223,9 +223,10 @@ class NormCollector:
 
     def _shared_inputs(self, call: Call) -> frozenset[int]:
         """`LayerCall.shared_inputs` of a call (of its parameters alone where no output is shared in this pass)."""
-        if self._output_nodes is None:
+        if self._output_nodes is None:  # (a frontier introduces the batch: what is computed through it is per sample)
             shared = {output.edge.node for output in self._shared.values()}
-            self._output_nodes = (shared, {n for n in self._all_output_nodes if n not in shared})
+            frontiers = {frontier.node for output in self._shared.values() for frontier in output.frontiers}
+            self._output_nodes = (shared, {n for n in self._all_output_nodes if n not in shared} | frontiers)
         leaves, _ = tree_flatten((call.args, call.kwargs))
         return shared_inputs(leaves, *self._output_nodes, self.batch)
 

@@ -122,7 +122,8 @@ def shared_inputs(
 ) -> frozenset[int]:
     """The indices of a call's tensor inputs (flattened, `call_inputs`) whose size looks like rows of samples (a
     multiple of B in dim 0) but that are computed from outputs shared across the batch (`shared`: their nodes) and
-    parameters alone, reaching no output with the batch (`batched`) nor a leaf that is no parameter (DeBERTa's
+    parameters alone, reaching no output with the batch nor a shared output's frontier (`batched`: `x + table`
+    with untracked data `x` is per sample) nor a leaf that is no parameter (DeBERTa's
     relative embeddings `[2 k, d]` with 2 k == B, a relative bias `[H, T, T]` with H == B, given to a layer); and
     the parameters given as inputs."""
     return frozenset(

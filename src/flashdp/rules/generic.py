@@ -270,10 +270,11 @@ def _inputs_by_sample(leaves: list, batch: int, rows: int, all_shared: bool) -> 
 
 
 def _may_be_data(x: object, batch: int) -> bool:
-    """Floating-point, untracked by autograd, no parameter, a multiple of B rows: what may be the batch's data."""
+    """Floating-point or boolean, untracked by autograd, no parameter, a multiple of B rows: what may be the batch's
+    data or its masks (integers may be positions: `[T]` ids with T == B)."""
     return (
         isinstance(x, Tensor)
-        and x.is_floating_point()
+        and (x.is_floating_point() or x.dtype == torch.bool)
         and x.grad_fn is None
         and not isinstance(x, torch.nn.Parameter)
         and x.dim() > 0
@@ -286,11 +287,11 @@ def _refuse_reading_the_data(
 ) -> None:
     """Where every output reaching the loss is shared across the batch, the module re-runs on its whole inputs, so
     its outputs must not read the batch's rows. Autograd does not record what an input untracked by it is (data,
-    a mask, a table): each one that may be data (`_may_be_data`) is replaced by other values (`1 - 2 x`: signs and
-    zeros change) and the outputs must be the same to the bit (BioGPT's positions take the float attention mask
-    for its shape alone; a module returning `x.mean(0, keepdim=True) @ w` reads the samples: refused)."""
+    a mask, a table): each one that may be data (`_may_be_data`) is replaced by other values (`_changed`) and the
+    outputs must be the same to the bit (BioGPT's positions take the float attention mask for its shape alone; a
+    module returning `x.mean(0, keepdim=True) @ w` reads the samples: refused)."""
     leaves, spec = inputs
-    probe = [1 - 2 * x if i in data else x for i, x in enumerate(leaves)]
+    probe = [_changed(x) if i in data else x for i, x in enumerate(leaves)]
     same = _batch_outputs(call, params, tree_unflatten(leaves, spec), slots)
     try:
         other = _batch_outputs(call, params, tree_unflatten(probe, spec), slots)
@@ -300,11 +301,20 @@ def _refuse_reading_the_data(
         shapes = ", ".join(str(tuple(leaves[i].shape)) for i in data)
         raise FlashDPError(
             f"The output of {call.label} has no batch dim and is broadcast over the batch, yet it changes with the "
-            f"values of its floating-point input(s) of shape {shapes}, which may be the batch's data (rows of "
-            "samples): an output shared by every sample must not read them, or each sample's gradient would carry "
-            "the others' rows. Nothing was added to .grad. Keep the batch in dim 0 of that output (compute it per "
-            "sample), or, if that input is a table rather than data, give it a leading dim of 1 (`table[None]`)."
+            f"values of its floating-point or boolean input(s) of shape {shapes}, which may be the batch's data "
+            "(rows of samples): an output shared by every sample must not read them, or each sample's gradient "
+            "would carry the others' rows. Nothing was added to .grad. Keep the batch in dim 0 of that output "
+            "(compute it per sample), or, if that input is a table rather than data, give it a leading dim of 1 "
+            "(`table[None]`)."
         )
+
+
+def _changed(x: Tensor) -> Tensor:
+    """Other values for every element: a mask negated; numbers as `1 - 2 x` (signs and zeros change), NaN and
+    infinities made finite (a breaker's module read only which values were NaN)."""
+    if x.dtype == torch.bool:
+        return ~x
+    return torch.nan_to_num(1 - 2 * x, nan=0.5, posinf=0.25, neginf=-0.25)
 
 
 def _has_batch(x: object, batch: int) -> bool:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import Node
 from torch.utils._pytree import tree_flatten
 
 from flashdp._pipeline.norm_pass import OutputGrads, Sharing, check_call, per_sample_gradients
@@ -100,10 +101,8 @@ class NormCollector:
         self._missed: set[Hashable] = set()  # parameters of calls the first pass fingerprinted and this one missed
         self._strategy, self._keep_for_sum, self._backend = strategy, keep_for_sum, backend
         self._recorder, self._shared = recorder, shared or {}
-        #: every call's output nodes (kept only where outputs are shared: `_shared_inputs`), then those split into
-        #: the shared outputs' and the others'
-        self._all_output_nodes = {e.node for c in calls for e in c.edges} if self._shared else set()
-        self._output_nodes: tuple[set, set] | None = None
+        #: (the shared outputs' nodes, the others' and the shared outputs' frontiers): `_shared_inputs`
+        self._output_nodes = _split_output_nodes(calls, self._shared)
         self._keep_gradients, self._users = keep_gradients, users
         self._pending: dict[Hashable, int] = {}  # parameter -> calls counting it not yet received
         self._params: dict[Hashable, TrainableParam] = {}
@@ -223,10 +222,6 @@ class NormCollector:
 
     def _shared_inputs(self, call: Call) -> frozenset[int]:
         """`LayerCall.shared_inputs` of a call (of its parameters alone where no output is shared in this pass)."""
-        if self._output_nodes is None:  # (a frontier introduces the batch: what is computed through it is per sample)
-            shared = {output.edge.node for output in self._shared.values()}
-            frontiers = {frontier.node for output in self._shared.values() for frontier in output.frontiers}
-            self._output_nodes = (shared, {n for n in self._all_output_nodes if n not in shared} | frontiers)
         leaves, _ = tree_flatten((call.args, call.kwargs))
         return shared_inputs(leaves, *self._output_nodes, self.batch)
 
@@ -336,6 +331,18 @@ def _as_called_later(grad: PerSampleGrad, attributes: tuple) -> PerSampleGrad:
 
     routines = ("factors", "dense", "weighted_sum", "parts_norm")
     return replace(grad, **{name: under(getattr(grad, name)) for name in routines})
+
+
+def _split_output_nodes(
+    calls: Sequence[Call], shared: Mapping[tuple[int, int], SharedOutput]
+) -> tuple[set[Node], set[Node]]:
+    """The shared outputs' nodes, and the other outputs' with the shared outputs' frontiers (where the batch
+    appears: what is computed through one is per sample); both empty where no output is shared."""
+    if not shared:
+        return set(), set()
+    nodes = {output.edge.node for output in shared.values()}
+    frontiers = {frontier.node for output in shared.values() for frontier in output.frontiers}
+    return nodes, {e.node for c in calls for e in c.edges if e.node not in nodes} | frontiers
 
 
 def no_trainable_layer_error() -> FlashDPError:

@@ -182,8 +182,9 @@ def _reads_rows(call: Call, index: int, rows: set[Node], batch: int, untracked: 
     or from floating-point data autograd does not track with a multiple of B rows (a layer on the model's input,
     `Linear(x)`; a position table of T == B rows is read so too, and refused: a batch size that does not divide T
     tells them apart). Autograd does not record which of a call's outputs read such data: where the call has
-    several, each is taken to (a breaker's module returning `(x.mean(0, keepdim=True) @ w, b[None])` mixed
-    samples through its first while only calls of one output were looked at)."""
+    several, each is taken to (`untracked`: only for outputs that fit the batch by size; one without the batch
+    reading it is refused by its rule, as a module returning `(x.mean(0, keepdim=True) @ w, b[None])` is by the
+    generic rule's re-run with the data changed)."""
     node = call.edges[index].node
     inputs = [child for child, _ in node.next_functions if child is not None] if node is not None else []
     is_data = functools.partial(_is_data, batch=batch)

@@ -42,16 +42,15 @@ def generic_grads(call: LayerCall) -> dict[str, Tensor]:
     # only the outputs that reach the loss: the others add nothing (and may mix samples, like CLIP's logits)
     used = [j for j, g in enumerate(call.grad_outputs) if g is not None]
     shared = tuple(bool(call.shared and call.shared[j]) for j in used)
-    batched = [
-        i for i in _inputs_by_sample(leaves, batch, rows, bool(shared) and all(shared)) if i not in call.shared_inputs
-    ]
-    if bool(shared) and all(shared) and untracked:
-        _refuse_reading_the_data(call, params, (leaves, spec), untracked, tuple(call.output_meta[j].slot for j in used))
+    all_shared = bool(shared) and all(shared)
+    output_slots = tuple(call.output_meta[j].slot for j in used)
+    batched = [i for i in _inputs_by_sample(leaves, batch, rows, all_shared) if i not in call.shared_inputs]
+    if all_shared and untracked:
+        _refuse_reading_the_data(call, params, (leaves, spec), untracked, output_slots)
     cotangents = tuple(
         _cotangent(call.output_meta[j], call.grad_outputs[j], is_shared, batch)
         for j, is_shared in zip(used, shared, strict=True)
     )
-    output_slots = tuple(call.output_meta[j].slot for j in used)
 
     def one_sample(sample_inputs: tuple[Tensor, ...], sample_cotangents: tuple[Tensor, ...], pullback_of=vjp):
         inputs = list(leaves)

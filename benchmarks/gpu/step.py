@@ -12,7 +12,7 @@ per-phase breakdown of two more steps of that mode at the first shape (to stderr
 the forward and the backward timed apart. `--deterministic`: every mode under
 `torch.use_deterministic_algorithms(True)` (cuBLAS's workspace set for it): ghost and flash refuse a step whose
 second pass met other gradients than their norm pass, and on CUDA the attention's backward (flash attention's atomic
-dQ) differs from run to run otherwise (2026-11-27, not yet measured with the flag).
+dQ) differs from run to run otherwise (on an H200 they ran under the flag at 2.12-2.15x: docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -129,9 +129,10 @@ def _unmatched_error(names: list[str]) -> FlashDPError:
         "clipped sums were not added to .grad (a sample could have added more than max_grad_norm), so the last "
         "step went without them. Causes: a backward hook (Tensor.register_hook, a module's backward hook) that "
         "returns another gradient when run again, or a non-deterministic kernel between a layer and the loss "
-        "(CUDA's atomic index_add_, scatter_add_ or index_select backward where rows collide). Use mode='bk' (one "
-        "backward), make the hook return the same gradient every time, or call "
-        "torch.use_deterministic_algorithms(True)."
+        "(on CUDA: cuDNN's convolution and attention backwards, flash attention's, atomic index_add_, scatter_add_ "
+        "or index_select backwards where rows collide). Use mode='bk' (one backward), make the hook return the same "
+        "gradient every time, or call torch.use_deterministic_algorithms(True) before the forward (PyTorch picks "
+        "the attention kernel there), with CUBLAS_WORKSPACE_CONFIG=:4096:8."
     )
 
 

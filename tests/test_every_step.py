@@ -855,6 +855,21 @@ def test_a_layer_computing_across_rows_that_pass_in_two_dims_is_refused(model_of
     assert refused == list(range(len(batches)))
 
 
+def test_the_refusal_of_rows_passing_in_two_dims_names_each_output_and_its_dims():
+    """The refusal says which outputs and dims it could not tell apart, and names both causes (a batch size met in
+    another dim; output gradients too small to compare, as in a freshly initialised deep model): its advice
+    used to be "pad the sequence", whatever the dim."""
+    model = ConvolvesOverTheBatch().double()
+    x = torch.randn(3, 3, 3, generator=seeded(4), dtype=torch.float64)
+    engine = flashdp.make_private(model, mode="bk", max_grad_norm=1.0, noise_multiplier=0.0, self_check=None)
+    with pytest.raises(FlashDPError) as refused:
+        engine.backward(_masks_loss(model, (x, torch.eye(3, dtype=torch.float64))))
+    engine.detach()
+    message = str(refused.value)
+    assert "'conv' (Conv1d) (output [3, 4, 3]: B in dim 0, or dim 2)" in message
+    assert "too small to tell readings apart" in message and "a batch size that no other size" in message
+
+
 class FlattenedTimeMajorHead(nn.Module):
     """A head on time-major rows flattened to `[T * B, d]`: B * k rows, interleaved by sample."""
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import torch
+
 from flashdp._pipeline import self_check
 from flashdp._pipeline.collector import NormCollector
 from flashdp._pipeline.frontier_rows import FrontierRows
@@ -64,7 +66,18 @@ class Verifying:
         sites = [plan.site(self.calls[i].module) for i in self.passing_elsewhere]
         if not (self.after_learning and sites) and all(site.match.rule.position_wise for site in sites):
             return None
-        return undecidable_layout_error([site.label for site in sites])
+        outputs = [self._readings_of(i) for i in self.passing_elsewhere]
+        return undecidable_layout_error([f"{site.label} ({out})" for site, out in zip(sites, outputs, strict=True)])
+
+    def _readings_of(self, index: int) -> str:
+        """The shapes of call `index`'s outputs that have other readings, and where B is read in each."""
+        call = self.calls[index]
+        found = [
+            f"output {list(meta.shape)}: B in dim {dim}, or {', or '.join(_where(meta.shape, r) for r in readings)}"
+            for meta, dim, readings in zip(call.output_meta, self.dims[index], self.other_readings[index], strict=True)
+            if readings
+        ]
+        return "; ".join(found)
 
     def sketching_frontiers(self) -> contextlib.AbstractContextManager:
         """Around the sketching pass: each shared output's frontier rows sketched."""
@@ -109,14 +122,25 @@ def receiver(collector: NormCollector, verifying: Verifying | None):
     return receive
 
 
-def undecidable_layout_error(labels: list[str]) -> FlashDPError:
-    """Layers whose output gradients pass as per-sample with the batch read in two dims of size B."""
+def _where(output: torch.Size, reading: Reading) -> str:
+    """A reading's place in words: another dim of the output, or its rows read as blocks of B interleaved."""
+    shape, dim = reading
+    if shape == output:
+        return f"dim {dim}"
+    return f"its {output[dim - 1]} rows in dim {dim - 1} as {shape[dim - 1]} blocks of B interleaved"
+
+
+def undecidable_layout_error(layers: list[str]) -> FlashDPError:
+    """Layers (each with its outputs' readings) whose output gradients pass as per-sample with the batch read in
+    either of two places of size B."""
     return FlashDPError(
-        f"On this batch the output gradients of {', '.join(dict.fromkeys(labels))} pass as per-sample with the "
-        "batch read in either of two dims of size B (an output with the batch size in two dims, such as "
-        "time-major [T, B, ...] with T equal to B, whose loss reads each time step from one sample only, through "
-        "masks or padding): flashdp cannot tell which dim is the batch, nor whether samples mix. Nothing was added "
-        "to .grad. Skip this batch, or pad to a sequence length that differs from the batch size."
+        f"On this batch the output gradients of {', '.join(dict.fromkeys(layers))} pass as per-sample with the "
+        "batch read in either place: flashdp cannot tell which is the batch, nor whether samples mix. Nothing was "
+        "added to .grad. Two causes: an output with the batch size in two dims (time-major [T, B, ...] with T "
+        "equal to B, whose loss reads each time step from one sample only, through masks or padding), or output "
+        "gradients too small to tell readings apart (below 1e-3 of the sample's largest in other layers, as in a "
+        "freshly initialised deep model): use a batch size that no other size of these outputs has, or skip this "
+        "batch; for a time-major layer, pad to a sequence length that differs from the batch size."
     )
 
 

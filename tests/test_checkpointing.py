@@ -218,3 +218,59 @@ def test_inputs_recorded_inside_a_checkpointed_region_are_recomputed_not_held(mo
     assert all(torch.equal(held[n], streamed[n]) for n in held)
     engine.detach()
     check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 5, mode=mode)
+
+
+class RelativeBiasInside(nn.Module):
+    """T5's pattern inside a checkpointed block: a relative bias `[1, H, T, T]` looked up from integer buckets in
+    the checkpointed function, added to the attention scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rel, self.qkv, self.out = nn.Embedding(5, 2), nn.Linear(4, 12), nn.Linear(4, 3)
+
+    def block(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 2).permute(2, 0, 3, 1, 4)  # [B, H, T, 2]
+        positions = torch.arange(t)
+        bias = self.rel((positions[None] - positions[:, None]).clamp(-2, 2) + 2).permute(2, 0, 1)[None]
+        return self.out((torch.softmax(q @ k.transpose(-1, -2) + bias, -1) @ v).transpose(1, 2).reshape(b, t, 4))
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_relative_bias_looked_up_inside_a_checkpointed_region_is_exact(mode):
+    """(Found by a breaker.) Ghost fingerprints a recomputed call's inputs to check that both passes recomputed
+    the same: the bias table's integer buckets crashed it (`vector_norm` of a Long tensor)."""
+    model = RelativeBiasInside().double()
+    x = torch.randn(3, 4, 4, dtype=torch.float64)
+    check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 3, mode=mode)
+
+
+class TableTimesBatchInside(nn.Module):
+    """A position table multiplied into the batch inside a checkpointed function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos, self.lin = nn.Embedding(8, 4), nn.Linear(4, 3)
+
+    def scaled(self, x):
+        return torch.tanh(x * self.pos(torch.arange(x.shape[1])))
+
+    def forward(self, x):
+        return self.lin(checkpoint(self.scaled, x, use_reentrant=False))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_table_multiplied_into_the_batch_inside_a_checkpointed_region_is_refused(mode):
+    """(Found by a breaker.) Each sample's gradient of a shared table meeting the batch through a product is the
+    product's backward run once per sample, which unpacks the checkpoint's recomputed tensors again: a raw
+    CheckpointError before. Refused with the way out, nothing added to `.grad`."""
+    model = TableTimesBatchInside().double()
+    x = torch.randn(3, 4, 4, dtype=torch.float64)
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(FlashDPError, match=r"inside an activation-checkpointed region.*add it instead"):
+        engine.backward(per_sample_loss(model(x)))
+    engine.detach()
+    assert all(p.grad is None for p in model.parameters())

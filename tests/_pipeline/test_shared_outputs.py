@@ -10,6 +10,7 @@ from torch import nn
 import flashdp
 from flashdp import FlashDPError
 from tests.oracle import check_against_oracle
+from tests.steps import check_steps
 from tests.strategies import batches, modes, per_sample_loss
 
 
@@ -318,6 +319,30 @@ def test_a_shared_output_reading_the_batch_s_masks_is_refused(mode, mask):
         engine.backward(torch.tanh(x + table(given)).square().sum((1, 2)))
 
 
+class OutlierScaledTable(nn.Module):
+    """A table `[T, d]` scaled by the batch's share of outliers: a count that `1 - 2 x` leaves the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        distance = (x - x.mean(0)).abs().flatten(1).sum(1)
+        return self.table * (0.05 + 20 * (distance > 2 * distance.mean()).to(x.dtype).mean())
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_shared_output_reading_a_statistic_an_affine_change_keeps_is_refused(mode):
+    """(A breaker's evasion of the re-run with the data changed by `1 - 2 x`: the share of outliers is the same
+    under any negative affine map; 64% off, one sample moving the clipped sum by 3.2 C.)"""
+    table = OutlierScaledTable()
+    engine = flashdp.make_private(table, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    x = torch.randn(7, 4, 4, dtype=torch.float64)
+    x[6] += 10
+    with pytest.raises(FlashDPError, match="may be the batch's data"):
+        engine.backward(torch.tanh(x + table(x)).square().sum((1, 2)))
+
+
 class RawBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -338,3 +363,66 @@ def test_data_plus_a_position_table_given_to_a_generic_layer_is_read_by_sample(m
         return model["block"](x[s] + model["positions"](torch.arange(4))).sum((1, 2))
 
     check_against_oracle(model, loss_of, 3, mode=mode)
+
+
+class TwoTables(nn.Module):
+    """A position table `[T, d]` plus a learnt kind `[1, d]`, both without the batch, then added to it: at T == B
+    the sum `[T, d]` has the batch size in dim 0 like the batch's rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos, self.kind, self.lin = nn.Embedding(16, 4), nn.Embedding(2, 4), nn.Linear(4, 3)
+
+    def forward(self, x):  # x [B, T, 4]
+        p = self.pos(torch.arange(x.shape[1])) + self.kind(torch.zeros(1, dtype=torch.long))
+        return self.lin(torch.tanh(x + p))
+
+
+@given(
+    shapes=st.lists(st.tuples(st.integers(2, 4), st.integers(1, 8)), min_size=1, max_size=3),
+    last=st.integers(2, 4),
+    mode=modes,
+)
+def test_a_sequence_as_long_as_the_batch_after_other_shapes_is_exact(shapes, last, mode):
+    """(Found by a breaker.) Steps of other (B, T), then T == B: the sum of two tables `[T, d]` passed for the
+    place where the batch meets the kind table (each "sample" given the batch's gradient at one position: norms
+    520% off, one sample moving the clipped sum by 2.4 C) on a structure trusted from a step at T = 2 B, whose graph
+    and size classes are the same."""
+    torch.manual_seed(0)
+    shapes = [*shapes, (last, last)]
+    batches = [torch.randn(b, t, 4, dtype=torch.float64) for b, t in shapes]
+    check_steps(
+        TwoTables().double(), batches, lambda m, x: m(x).square().sum((1, 2)), lambda x, i: x[i : i + 1],
+        [b for b, _ in shapes], mode=mode,
+    )  # fmt: skip
+
+
+class TableSlicedForABlock(nn.Module):
+    """A raw parameter's first T rows given to a custom block beside the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table, self.block, self.head = nn.Parameter(torch.randn(8, 4) * 0.5), RawBlock4(), nn.Linear(4, 2)
+
+    def forward(self, x):  # x [B, T, 4]
+        return self.head(self.block(x, self.table[: x.shape[1]]))
+
+
+class RawBlock4(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4) * 0.5)
+
+    def forward(self, x, table):
+        return torch.tanh(x @ self.weight + table)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_parameter_s_rows_given_to_a_generic_layer_are_not_sliced_where_their_number_is_the_batch(mode):
+    """(A breaker's false refusal: `table[:T]` with T == B was read by sample, as data of B rows.)"""
+    torch.manual_seed(0)
+    batches = [torch.randn(3, 4, 4, dtype=torch.float64), torch.randn(4, 4, 4, dtype=torch.float64)]
+    check_steps(
+        TableSlicedForABlock().double(), batches, lambda m, x: m(x).square().sum((1, 2)), lambda x, i: x[i : i + 1],
+        [3, 4], mode=mode,
+    )  # fmt: skip

@@ -276,7 +276,8 @@ def fingerprint(tensors: Sequence[tuple[Tensor | None, int | None]]) -> Tensor:
     """Integers, per row of each tensor along its given dim (the batch's; None: the whole tensor as one row; None
     tensors skipped): the sum of its elements' bits read as integers, exact modulo 2^32 (2^64 for float64), so
     that an element whose bits change changes it (unless another's change cancels it to the bit), and the bits of
-    its norm (accumulated in float32, float64 for float64 tensors). Equal for tensors equal bit for bit;
+    its norm (accumulated in float32, float64 for float64 tensors); of an integer or boolean tensor (a recomputed
+    call's ids), the sums of its values and of their squares, exact modulo 2^64. Equal for tensors equal bit for bit;
     different where a row's values changed (also below their sums' rounding: a breaker's 0.03 next to 1e6,
     amplified by its input to 300 C, passed sums and norms of the values), or rows swapped; not where elements
     only swap places within one row."""
@@ -286,6 +287,10 @@ def fingerprint(tensors: Sequence[tuple[Tensor | None, int | None]]) -> Tensor:
             continue
         # (rows flattened, the bits summed wrapping around in their own width: each several times faster on the CPU)
         rows = t.reshape(1, -1) if dim is None or t.dim() <= dim else _rows_in_memory_order(t, dim)
+        if not t.is_floating_point():  # (a recomputed call's ids or mask: values and squares summed, wrapping)
+            values = rows.to(torch.int64)
+            parts += [values.sum(1), values.square().sum(1)]
+            continue
         wide = t.dtype in (torch.float32, torch.float64)
         norm = torch.linalg.vector_norm(rows, dim=1, dtype=None if wide else torch.float32)
         bits = rows.view(_BITS[t.dtype])

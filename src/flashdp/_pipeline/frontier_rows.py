@@ -87,7 +87,9 @@ class FrontierRows:
             f"The output of {', '.join(dict.fromkeys(labels))} has no batch dim and is broadcast over the batch; "
             "flashdp takes each sample's gradient of it where it meets the batch, reading row i there as sample i. "
             "On this batch the rows there are not the loss's samples in order: the batch is reordered between that "
-            "op and the loss (sorted by length, then put back) or its rows mixed (batch statistics). Nothing was "
-            "added to .grad. Add the shared output where the rows are in the samples' order (before a sort, or "
-            "after the order is restored), and keep each sample's loss a function of that sample alone."
+            "op and the loss (sorted by length, then put back), its rows mixed (batch statistics), or the op taken "
+            "for where it meets the batch has another batch-free tensor whose first dim equals B by coincidence (a "
+            "table of T positions with T == B). Nothing was added to .grad. Add the shared output where the rows are "
+            "in the samples' order (before a sort, or after the order is restored), keep each sample's loss a "
+            "function of that sample alone, or use a batch size that differs from the tables' lengths."
         )

@@ -118,31 +118,67 @@ def shared(
     batch = graph.loss.shape[0]
     if batch < 2:
         return {}, known
-    found = {}
-    by_chance: set[tuple[int, int]] = set()  # (outputs with a multiple of B rows: shared only where no sample's)
-    regions: dict[int, list[set[Node]]] = {}
-    for out in outputs(known.plan, calls):
-        call, lacking = calls[out.call], lacks_batch(out.meta.shape, out.dim, batch)
-        if not lacking:
-            by_chance.add((out.call, out.index))
-        if id(call.module) in known.shared_sites or lacking:
-            edge = call.edges[out.index]
-            if len(call.edges) == 1:
-                frontiers = graph.frontiers(edge, batch)
-            else:  # (only its uses outside the call: the paths to the call's other outputs are theirs)
-                if out.call not in regions:
-                    regions[out.call] = _regions(call)
-                others = [k for k in range(len(call.edges)) if k != out.index]
-                inside = set().union(*(regions[out.call][k] for k in others))
-                edges = {(call.edges[k].node, call.edges[k].output_nr) for k in others}
-                frontiers = shared_outputs.outside_frontiers(edge, graph.parents, batch, inside, edges)
-                if frontiers == [] and not graph.frontiers(edge, batch):
-                    frontiers = None  # (mis-shaped, or not reaching the loss, whatever the call's other outputs)
-            if frontiers is not None and (frontiers or len(call.edges) > 1):
-                found[(out.call, out.index)] = shared_outputs.SharedOutput(edge, out.meta.shape, frontiers)
+    candidates, by_chance = _shared_candidates(known, calls, batch)
+    found = {
+        key: shared_outputs.SharedOutput(calls[key[0]].edges[key[1]], shape, frontiers)
+        for key, (shape, frontiers) in _frontiers(graph, calls, candidates, batch).items()
+        if frontiers is not None and (frontiers or len(calls[key[0]].edges) > 1)
+    }
     readers = sample_readers(known, calls, set(found), batch, by_chance)
     found = {key: output for key, output in found.items() if key not in readers}
     return found, known.sharing(id(calls[i].module) for i, _ in found)
+
+
+def frontier_places(known: Knowledge, graph: LossGraph, calls: list[Call]) -> tuple:
+    """Where the outputs that `shared` would take as shared meet the batch, as places in the graph
+    (`LossGraph.places`): a structure is verified with its frontiers, whose rows the verifying pass checks are the
+    samples'. A later step of the same ops and size classes may place a frontier elsewhere (a sum of two tables
+    `[T, d]` with T == B passes for a batch): another structure, verified again."""
+    batch = graph.loss.shape[0]
+    if batch < 2:
+        return ()
+    found = _frontiers(graph, calls, _shared_candidates(known, calls, batch)[0], batch).items()
+    groups = [(calls[c].edges[j], *(frontiers or ())) for (c, j), (_, frontiers) in found]
+    return tuple(sorted(graph.places(groups), key=repr))
+
+
+def _shared_candidates(known: Knowledge, calls: list[Call], batch: int) -> tuple[list[Output], set[tuple[int, int]]]:
+    """The outputs that may be shared across the batch (without the batch dim, or of a site known to share), and
+    the (call, output) of those that fit the batch by size (shared only where no sample's rows are read)."""
+    candidates, by_chance = [], set()
+    for out in outputs(known.plan, calls):
+        lacking = lacks_batch(out.meta.shape, out.dim, batch)
+        if not lacking:
+            by_chance.add((out.call, out.index))
+        if id(calls[out.call].module) in known.shared_sites or lacking:
+            candidates.append(out)
+    return candidates, by_chance
+
+
+def _frontiers(
+    graph: LossGraph, calls: list[Call], candidates: list[Output], batch: int
+) -> dict[tuple[int, int], tuple[object, list[shared_outputs.Frontier] | None]]:
+    """(call, output) -> (its shape, its frontiers, or None where it is mis-shaped or does not reach the loss), each
+    beside the other candidates (an op adding two of them is no batch)."""
+    edges = frozenset((calls[o.call].edges[o.index].node, calls[o.call].edges[o.index].output_nr) for o in candidates)
+    regions: dict[int, list[set[Node]]] = {}
+    found = {}
+    for out in candidates:
+        call = calls[out.call]
+        edge = call.edges[out.index]
+        if len(call.edges) == 1:
+            frontiers = graph.frontiers(edge, batch, edges)
+        else:  # (only its uses outside the call: the paths to the call's other outputs are theirs)
+            if out.call not in regions:
+                regions[out.call] = _regions(call)
+            others = [k for k in range(len(call.edges)) if k != out.index]
+            inside = set().union(*(regions[out.call][k] for k in others))
+            outputs_ = {(call.edges[k].node, call.edges[k].output_nr) for k in others}
+            frontiers = shared_outputs.outside_frontiers(edge, graph.parents, batch, inside, outputs_, edges)
+            if frontiers == [] and not graph.frontiers(edge, batch, edges):
+                frontiers = None  # (mis-shaped, or not reaching the loss, whatever the call's other outputs)
+        found[(out.call, out.index)] = (out.meta.shape, frontiers)
+    return found
 
 
 def sample_readers(

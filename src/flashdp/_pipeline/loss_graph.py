@@ -27,6 +27,7 @@ class LossGraph:
     def __init__(self, loss: Tensor, users: UserGroups | None = None) -> None:
         self.loss, self.users = loss, users
         self._above: dict[frozenset[tuple[Node, int]], set[Node]] = {}
+        self._frontiers: dict[tuple, list[shared_outputs.Frontier]] = {}
 
     @property
     def units(self) -> int:
@@ -100,9 +101,15 @@ class LossGraph:
         """Whether the loss's gradient flows into the edge's node (the loss's own node included)."""
         return edge.node is self.loss.grad_fn or edge.node in self.parents
 
-    def frontiers(self, edge: GradientEdge, batch: int) -> list[shared_outputs.Frontier]:
-        """Where the batch first appears above a shared output (`shared_outputs.frontiers`)."""
-        return shared_outputs.frontiers(edge, self.parents, batch)
+    def frontiers(
+        self, edge: GradientEdge, batch: int, shared: shared_outputs.SharedEdges = frozenset()
+    ) -> list[shared_outputs.Frontier]:
+        """Where the batch first appears above a shared output (`shared_outputs.frontiers`), beside the `shared`
+        ones (walked once per backward: a structure's key and the norm pass ask alike)."""
+        key = (edge.node, edge.output_nr, batch, shared)
+        if key not in self._frontiers:
+            self._frontiers[key] = shared_outputs.frontiers(edge, self.parents, batch, shared)
+        return self._frontiers[key]
 
     def above(self, edges: Collection[tuple[Node, int]]) -> set[Node]:
         """The nodes from which one of `edges` (node, output_nr) is reachable by at least one step: autograd runs

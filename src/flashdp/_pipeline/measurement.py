@@ -100,6 +100,8 @@ class _Pass:
     known: Knowledge
     collector: NormCollector
     dtypes: list[torch.dtype]
+    #: where the outputs it took as shared met the batch (`learning.frontier_places`)
+    frontiers: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,7 @@ def measure(
     # modified in place is kept: the norm pass refuses it, its gradient hidden.
     calls[:] = [c for c in calls if any(graph.reads(edge) for edge in c.edges) or c.modified_in_place()]
     refusal = refusal or _modified_inputs(known.plan, calls)
-    shapes, placed = shapes_of(calls), graph.places(e for c in calls for e in (c.edges, c.input_edges))
+    shapes, placed = shapes_of(calls), _placed(known, graph, calls)
     checking = known.self_check.due(index)
     if checking:
         known = known.self_checked(index)
@@ -177,9 +179,16 @@ def measure(
     known = done.known
     measurement = _finish(parts, known, graph, done, keeps, unit_gradients)
     # a batch of one decides no layout: every dim fits it, its rows are all its own
-    if batch > 1 and verified.decided and (verify or new_structure):
-        known = _verified(known, shapes, graph, placed, verified.routed)
+    if batch > 1 and verified.decided and (verify or new_structure):  # (the frontiers of what the pass took shared)
+        known = _verified(known, shapes, graph, (placed[0], done.frontiers), verified.routed)
     return measurement, known
+
+
+def _placed(known: Knowledge, graph: LossGraph, calls: list[Call]) -> tuple:
+    """Where the calls' outputs and inputs sit in the graph, and where the outputs shared across the batch meet it
+    (`learning.frontier_places`): what a verified structure rests on besides the calls' shapes and the ops."""
+    edges = graph.places(e for c in calls for e in (c.edges, c.input_edges))
+    return edges, learning.frontier_places(known, graph, calls)
 
 
 def _new_structure(
@@ -440,6 +449,7 @@ def _collect(
     computes them (and, `verifying`, to its sketches, the graph kept)."""
     loss, batch = graph.loss, graph.loss.shape[0]
     dtypes = [loss.dtype, *(m.dtype for c in rule_calls for m in c.output_meta)]
+    frontiers = learning.frontier_places(known, graph, rule_calls)
     collector = NormCollector(
         known.plan,
         rule_calls,
@@ -470,7 +480,7 @@ def _collect(
             keeps.graph or verifying is not None,
             prepare=collector.unpack,
         )
-    return _Pass(known, collector, dtypes)
+    return _Pass(known, collector, dtypes, frontiers)
 
 
 def _finish(

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
+from torch.utils.checkpoint import CheckpointError
+
+from flashdp.errors import FlashDPError
 
 #: how far above a shared output its frontier may be (shape ops and the like in between)
 MAX_DEPTH = 16
@@ -51,10 +54,17 @@ class SharedOutput:
     per_sample: Tensor | None = field(default=None, repr=False)
 
 
-def frontiers(edge: GradientEdge, graph: dict[Node, list[tuple[Node, int]]], batch: int) -> list[Frontier]:
+#: (node, output_nr) of the outputs known to be shared across the batch
+SharedEdges = Collection[tuple[Node, int]]
+
+
+def frontiers(
+    edge: GradientEdge, graph: dict[Node, list[tuple[Node, int]]], batch: int, shared: SharedEdges = frozenset()
+) -> list[Frontier]:
     """Where the batch first appears above a shared tensor, on every path to the loss; [] if it does not reach the
-    loss or some path gets there without meeting the batch (then it is not shared but mis-shaped)."""
-    return outside_frontiers(edge, graph, batch) or []
+    loss or some path gets there without meeting the batch (then it is not shared but mis-shaped). `shared`: the
+    other outputs shared across the batch, which an op adding them to this one does not make a batch of."""
+    return outside_frontiers(edge, graph, batch, shared=shared) or []
 
 
 def outside_frontiers(
@@ -63,6 +73,7 @@ def outside_frontiers(
     batch: int,
     inside: Collection[Node] = frozenset(),
     others: Collection[tuple[Node, int]] = frozenset(),
+    shared: SharedEdges = frozenset(),
 ) -> list[Frontier] | None:
     """`frontiers` of one output of a call, through its uses outside the call: not on the paths inside the call
     to its `others` outputs (their own gradients count those paths, through the call's rule), so neither past one
@@ -86,7 +97,7 @@ def outside_frontiers(
         for consumer, _ in consumers:
             carrying = [j for j, m in enumerate(consumer._input_metadata) if _introduces_batch(ours, m.shape, batch)]
             slots = tuple(s for s, child in enumerate(consumer.next_functions) if child == (node, output_nr))
-            if carrying and _broadcasts(consumer, slots, consumer._input_metadata[carrying[0]].shape, batch):
+            if carrying and _broadcasts(consumer, slots, consumer._input_metadata[carrying[0]].shape, batch, shared):
                 if consumer not in inside:
                     found.append(Frontier(consumer, carrying[0], slots, (node, output_nr)))
             elif any(_merges_batch_sized(ours, m.shape, batch) for m in consumer._input_metadata):
@@ -125,7 +136,7 @@ def shared_inputs(
     parameters alone, reaching no output with the batch nor a shared output's frontier (`batched`: `x + table`
     with untracked data `x` is per sample) nor a leaf that is no parameter (DeBERTa's
     relative embeddings `[2 k, d]` with 2 k == B, a relative bias `[H, T, T]` with H == B, given to a layer); and
-    the parameters given as inputs."""
+    the parameters given as inputs, or a view of one (`table[:T]` with T == B)."""
     return frozenset(
         i
         for i, x in enumerate(call_inputs)
@@ -134,9 +145,38 @@ def shared_inputs(
         and x.shape[0] % batch == 0
         and (
             isinstance(x, torch.nn.Parameter)
+            or _parameter_view(x.grad_fn)
             or (bool(shared) and x.grad_fn is not None and _from_shared_alone(x.grad_fn, shared, batched))
         )
     )
+
+
+#: ops that take one tensor and move or keep its elements (positions and sizes saved, no other tensor): what they
+#: compute from a parameter is that parameter's elements (an op with another input, even one untracked by autograd,
+#: may bring the batch's data in: `x @ w` with data `x` shows only `w` in the graph). Not an expand: a parameter
+#: expanded to B rows is a batch of copies, one per sample.
+_VIEWS = frozenset(
+    {
+        *("SliceBackward0", "SelectBackward0", "ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0"),
+        *("PermuteBackward0", "TBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1"),
+        *("CloneBackward0", "ToCopyBackward0"),
+    }
+)
+
+
+def _parameter_view(node: Node | None) -> bool:
+    """Whether `node` computes its output from one parameter through `_VIEWS` alone."""
+    for _ in range(MAX_DEPTH):
+        if node is None:
+            return False
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            return isinstance(variable, torch.nn.Parameter)
+        tracked = [child for child, _ in node.next_functions if child is not None]
+        if node.name() not in _VIEWS or len(tracked) != 1:
+            return False
+        node = tracked[0]
+    return False
 
 
 def _from_shared_alone(start: Node, shared: Collection[Node], batched: Collection[Node]) -> bool:
@@ -189,12 +229,15 @@ def _introduces_batch(ours: torch.Size, theirs: torch.Size, batch: int) -> bool:
     return 0 in grown and sum(theirs[d] == batch for d in grown) == 1
 
 
-def _broadcasts(consumer: Node, slots: tuple[int, ...], theirs: torch.Size, batch: int) -> bool:
+def _broadcasts(
+    consumer: Node, slots: tuple[int, ...], theirs: torch.Size, batch: int, shared: SharedEdges = frozenset()
+) -> bool:
     """Whether the op can be a broadcast of its input at `slots` over the batch of its output `theirs`: it takes
     that input alone (an expand, a repeat), or another input may carry the batch (an addition to the tokens'
     embeddings). Not a stack or a concatenation of tensors shaped alike, none with the batch (layers' states
     stacked into `[L, B, H]` with L == B: the new dim is the layers, and the batch is in theirs already), nor
-    anything whose other inputs are all known and batch-free. An input that needs no gradient is not seen (no
+    anything whose other inputs are all known and batch-free: `shared` outputs among them (a position table `[T,
+    d]` with T == B plus a kind table `[1, d]` is no batch). An input that needs no gradient is not seen (no
     edge): it may carry the batch."""
     others = [child for s, child in enumerate(consumer.next_functions) if s not in slots]
     if not others:
@@ -202,6 +245,8 @@ def _broadcasts(consumer: Node, slots: tuple[int, ...], theirs: torch.Size, batc
     for node, output_nr in others:
         if node is None:
             return True
+        if (node, output_nr) in shared:
+            continue
         shape = node._input_metadata[output_nr].shape
         if len(shape) == len(theirs) and shape[0] == batch:
             return True
@@ -247,9 +292,12 @@ def _through(frontier: Frontier, grad_outputs: tuple, output: SharedOutput, batc
         scale = sum(1.0 if slot == 0 else sign * alpha for slot in frontier.slots)
         at_child = scale * _sum_to(grad, child_shape, batch)
     else:  # any other op: its backward on each sample's rows alone
-        at_child = torch.stack(
-            [_local_backward(frontier, grad_outputs, i).sum_to_size(child_shape) for i in range(batch)]
-        )
+        try:
+            at_child = torch.stack(
+                [_local_backward(frontier, grad_outputs, i).sum_to_size(child_shape) for i in range(batch)]
+            )
+        except CheckpointError as error:
+            raise _checkpointed_frontier_error(node) from error
     if frontier.child == (output.edge.node, output.edge.output_nr):
         return at_child.reshape(batch, *output.shape)
     (per_sample,) = torch.autograd.grad(
@@ -272,6 +320,17 @@ def _local_backward(frontier: Frontier, grad_outputs: tuple, sample: int) -> Ten
     grads = frontier.node(*rows)
     grads = grads if isinstance(grads, tuple) else (grads,)
     return sum(grads[slot] for slot in frontier.slots)
+
+
+def _checkpointed_frontier_error(node: Node) -> FlashDPError:
+    return FlashDPError(
+        f"An output shared across the batch (a table computed without the batch dim) meets the batch through "
+        f"{node.name()} inside an activation-checkpointed region (torch.utils.checkpoint, use_reentrant=False): "
+        "flashdp takes each sample's gradient of it by running that op's backward once per sample, which would "
+        "read the tensors the checkpoint recomputes more than once (the checkpoint allows one read; an addition "
+        "reads none). Nothing was added to .grad. Compute the table and apply it outside the checkpointed function "
+        "(pass the product in), add it instead of multiplying, or train without checkpointing that region."
+    )
 
 
 def _sum_to(grad: Tensor, shape: torch.Size, batch: int) -> Tensor:

@@ -286,17 +286,14 @@ def _refuse_reading_the_data(
 ) -> None:
     """Where every output reaching the loss is shared across the batch, the module re-runs on its whole inputs, so
     its outputs must not read the batch's rows. Autograd does not record what an input untracked by it is (data,
-    a mask, a table): each one that may be data (`_may_be_data`) is replaced by other values (`_changed`) and the
+    a mask, a table): each one that may be data (`_may_be_data`) is replaced by other values (`_PROBES`) and the
     outputs must be the same to the bit (BioGPT's positions take the float attention mask for its shape alone; a
-    module returning `x.mean(0, keepdim=True) @ w` reads the samples: refused)."""
+    module returning `x.mean(0, keepdim=True) @ w` reads the samples: refused). A module reading the batch only
+    through what two probes leave the same (a count that neither an affine change nor random values move) is not
+    seen: docs/assumptions.md."""
     leaves, spec = inputs
-    probe = [_changed(x) if i in data else x for i, x in enumerate(leaves)]
     same = _batch_outputs(call, params, tree_unflatten(leaves, spec), slots)
-    try:
-        other = _batch_outputs(call, params, tree_unflatten(probe, spec), slots)
-    except _TRANSFORM_ERRORS:  # (values used as indices, say: read all the same)
-        other = None
-    if other is None or any(not torch.equal(a, b) for a, b in zip(same, other, strict=True)):
+    if not all(_same_outputs(call, params, (leaves, spec), data, slots, same, change) for change in _PROBES):
         shapes = ", ".join(str(tuple(leaves[i].shape)) for i in data)
         raise FlashDPError(
             f"The output of {call.label} has no batch dim and is broadcast over the batch, yet it changes with the "
@@ -308,12 +305,44 @@ def _refuse_reading_the_data(
         )
 
 
+def _same_outputs(
+    call: LayerCall,
+    params: dict[str, Tensor],
+    inputs: tuple[list, object],
+    data: list[int],
+    slots: tuple[int, ...],
+    same: list[Tensor],
+    change: Callable[[Tensor], Tensor],
+) -> bool:
+    """Whether the outputs at `slots` are `same` to the bit with the inputs at `data` changed by `change`."""
+    leaves, spec = inputs
+    probe = [change(x) if i in data else x for i, x in enumerate(leaves)]
+    try:
+        other = _batch_outputs(call, params, tree_unflatten(probe, spec), slots)
+    except _TRANSFORM_ERRORS:  # (values used as indices, say: read all the same)
+        return False
+    return all(torch.equal(a, b) for a, b in zip(same, other, strict=True))
+
+
 def _changed(x: Tensor) -> Tensor:
     """Other values for every element: a mask negated; numbers as `1 - 2 x` (signs and zeros change), NaN and
     infinities made finite (a breaker's module read only which values were NaN)."""
     if x.dtype == torch.bool:
         return ~x
     return torch.nan_to_num(1 - 2 * x, nan=0.5, posinf=0.25, neginf=-0.25)
+
+
+def _drawn(x: Tensor) -> Tensor:
+    """Values unrelated to x's (a fixed draw): a breaker's module read the batch's share of outliers, which
+    `_changed`, an affine map, leaves the same."""
+    generator = torch.Generator(device=x.device).manual_seed(len(x))
+    if x.dtype == torch.bool:
+        return torch.rand(x.shape, generator=generator, device=x.device) < 0.5
+    return torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+
+
+#: how each input that may be data is changed to see whether a shared output reads it
+_PROBES = (_changed, _drawn)
 
 
 def _has_batch(x: object, batch: int) -> bool:

@@ -60,17 +60,19 @@ def test_a_batch_as_long_as_the_sequence_is_exact(name, mode, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("batch", [2, 4, 5, 6])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_every_model_is_exact_at_a_batch_as_long_as_its_sequences(name, monkeypatch):
-    """B == T (5), where a size alone would take a position table or a relative bias for samples (BART's
-    positions, BEiT's relative bias at every B > 1 were refused before 2026-11-28; Swin at B == its window count
-    and DeBERTa at B == twice its buckets have tests of their own). The zoo's other tests run B = 3."""
-    monkeypatch.setattr(zoo, "B", zoo.T)
-    monkeypatch.setattr(zoo, "LABELS", torch.arange(zoo.T) % 3)
+def test_every_model_is_exact_at_batch_sizes_that_meet_its_other_sizes(name, batch, monkeypatch):
+    """B equal to the sequence (5), to a head count or a multiple of it (2, 4, 6), to a window count (Swin's 4):
+    where a size alone would take a position table, a relative bias or a window mask for samples (BART at T == B,
+    Swin at B == its window count, BEiT at every B > 1 were refused before 2026-11-28). About 0.2 s a case; the
+    zoo's other tests run B = 3."""
+    monkeypatch.setattr(zoo, "B", batch)
+    monkeypatch.setattr(zoo, "LABELS", torch.arange(batch) % 3)
     case = CASES[name]()
     model = case.build().to(case.dtype).eval()
     rtol = 1e-6 if case.dtype == torch.float64 else 1e-3
-    check_against_oracle(model, lambda s: case.loss(model, s), zoo.T, mode="bk", rtol=rtol)
+    check_against_oracle(model, lambda s: case.loss(model, s), batch, mode="bk", rtol=rtol)
 
 
 @pytest.mark.slow

@@ -426,3 +426,23 @@ def test_a_parameter_s_rows_given_to_a_generic_layer_are_not_sliced_where_their_
         TableSlicedForABlock().double(), batches, lambda m, x: m(x).square().sum((1, 2)), lambda x, i: x[i : i + 1],
         [3, 4], mode=mode,
     )  # fmt: skip
+
+
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.tensor(1.3, dtype=torch.float64))
+
+    def forward(self) -> torch.Tensor:
+        return self.gate * 1.0
+
+
+def test_a_scalar_gate_broadcast_over_two_dims_of_the_batch_size_is_refused_naming_that_cause():
+    """(A breaker's case: a gate module outside any module taking the batch, its scalar multiplied into `[B, T, d]`
+    with T == B.) Its refusal said the layer "was called on a batch of 0"."""
+    model = nn.ModuleDict({"gate": Gate(), "lin": nn.Linear(4, 4).double()})
+    engine = flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0)
+    x = torch.randn(4, 4, 4, dtype=torch.float64)
+    with pytest.raises(FlashDPError, match="returns a scalar"):
+        engine.backward((model["lin"](x) * model["gate"]()).square().sum((1, 2)))
+    engine.detach()

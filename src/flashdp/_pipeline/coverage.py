@@ -419,10 +419,11 @@ def layout_promotions(
             and id(calls[j].module) not in not_batch_first
         ]
         if not outer:
-            if not any(batch in m.shape for m in calls[i].output_meta):  # the loss's batch is wrong
-                raise batch_mismatch_error(
-                    site.label, next((m.shape[0] for m in calls[i].output_meta if m.shape), 0), batch
-                )
+            shapes = [m.shape for m in calls[i].output_meta]
+            if not any(shapes):  # a scalar shared by every sample, no single op placing the batch above it
+                raise _unplaced_scalar_error(site.label, batch)
+            if not any(batch in shape for shape in shapes):  # the loss's batch is wrong
+                raise batch_mismatch_error(site.label, next(shape[0] for shape in shapes if shape), batch)
             raise FlashDPError(
                 f"The gradient of layer {site.label}'s output is not separable by sample. Either (1) the loss of "
                 "a sample depends on other samples: a term computed from the whole batch was added to every "
@@ -515,3 +516,14 @@ _EARLIER_FORWARD = (
     "that backward took the forward's calls (each backward takes every call recorded since the one before). Call "
     "engine.backward() after each forward, or add the per-sample losses of both forwards into one backward."
 )
+
+
+def _unplaced_scalar_error(label: str, batch: int) -> FlashDPError:
+    return FlashDPError(
+        f"Layer {label} returns a scalar (a gate or a scale shared by every sample), and flashdp found no single op "
+        f"where it meets the batch (for one, where it is broadcast over two dims of size B = {batch} at once, a "
+        "sequence as long as the batch, which sizes alone cannot tell apart). Nothing was added to .grad. Call "
+        "it inside the forward of a module that also takes the batch (that module's generic rule then counts it "
+        "per sample), give it a leading dim of 1 broadcast against the batch's dim 0 alone, or use a batch size "
+        "that differs from the other dims."
+    )

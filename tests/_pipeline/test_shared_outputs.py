@@ -367,23 +367,27 @@ def test_data_plus_a_position_table_given_to_a_generic_layer_is_read_by_sample(m
 
 class TwoTables(nn.Module):
     """A position table `[T, d]` plus a learnt kind `[1, d]`, both without the batch, then added to it: at T == B
-    the sum `[T, d]` has the batch size in dim 0 like the batch's rows."""
+    the sum `[T, d]` has the batch size in dim 0 like the batch's rows. `squashed`: the kind added to `tanh` of the
+    positions (a node computed from a shared output, not the output itself)."""
 
-    def __init__(self) -> None:
+    def __init__(self, squashed: bool = False) -> None:
         super().__init__()
         self.pos, self.kind, self.lin = nn.Embedding(16, 4), nn.Embedding(2, 4), nn.Linear(4, 3)
+        self.squashed = squashed
 
     def forward(self, x):  # x [B, T, 4]
-        p = self.pos(torch.arange(x.shape[1])) + self.kind(torch.zeros(1, dtype=torch.long))
+        positions = self.pos(torch.arange(x.shape[1]))
+        p = (positions.tanh() if self.squashed else positions) + self.kind(torch.zeros(1, dtype=torch.long))
         return self.lin(torch.tanh(x + p))
 
 
 @given(
     shapes=st.lists(st.tuples(st.integers(2, 4), st.integers(1, 8)), min_size=1, max_size=3),
     last=st.integers(2, 4),
+    squashed=st.booleans(),
     mode=modes,
 )
-def test_a_sequence_as_long_as_the_batch_after_other_shapes_is_exact(shapes, last, mode):
+def test_a_sequence_as_long_as_the_batch_after_other_shapes_is_exact(shapes, last, squashed, mode):
     """(Found by a breaker.) Steps of other (B, T), then T == B: the sum of two tables `[T, d]` passed for the
     place where the batch meets the kind table (each "sample" given the batch's gradient at one position: norms
     520% off, one sample moving the clipped sum by 2.4 C) on a structure trusted from a step at T = 2 B, whose graph
@@ -392,7 +396,7 @@ def test_a_sequence_as_long_as_the_batch_after_other_shapes_is_exact(shapes, las
     shapes = [*shapes, (last, last)]
     batches = [torch.randn(b, t, 4, dtype=torch.float64) for b, t in shapes]
     check_steps(
-        TwoTables().double(), batches, lambda m, x: m(x).square().sum((1, 2)), lambda x, i: x[i : i + 1],
+        TwoTables(squashed).double(), batches, lambda m, x: m(x).square().sum((1, 2)), lambda x, i: x[i : i + 1],
         [b for b, _ in shapes], mode=mode,
     )  # fmt: skip
 
@@ -446,3 +450,32 @@ def test_a_scalar_gate_broadcast_over_two_dims_of_the_batch_size_is_refused_nami
     with pytest.raises(FlashDPError, match="returns a scalar"):
         engine.backward((model["lin"](x) * model["gate"]()).square().sum((1, 2)))
     engine.detach()
+
+
+class OneTableTwoUses(nn.Module):
+    """One Embedding looked up per sample (`ids`) and as a shared row or table in the same op."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.emb, self.inp, self.op = nn.Embedding(16, 4), nn.Linear(4, 4), op
+
+    def forward(self, x, ids):
+        if self.op == "mul":
+            looked_up = self.emb(ids) * self.emb(torch.zeros(1, dtype=torch.long))
+        else:
+            looked_up = self.emb(ids) + self.emb(torch.arange(ids.shape[1]))
+        return torch.tanh(self.inp(x) + looked_up).sum((1, 2))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("op", ["mul", "add"])
+def test_a_table_looked_up_per_sample_and_shared_in_one_op_is_exact(op, mode):
+    """(A second breaker's finding, this session's regression: once the table's site was known to share, its
+    per-sample lookup counted as batch-free beside the shared one, which then met the batch nowhere: refused
+    after 17 verifying passes, or "called on a batch of 1".)"""
+    torch.manual_seed(1)
+    batches = [(torch.randn(2, 4, 4, dtype=torch.float64), torch.randint(0, 16, (2, 4))) for _ in range(2)]
+    check_steps(
+        OneTableTwoUses(op).double(), batches, lambda m, b: m(*b), lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]),
+        [2, 2], mode=mode,
+    )  # fmt: skip

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.autograd.graph import Node
 
 from flashdp._pipeline import self_check
-from flashdp._pipeline.shared_outputs import SharedOutput
+from flashdp._pipeline.shared_outputs import SharedOutput, in_per_sample_vjp
 from flashdp.errors import FlashDPError
 
 #: sketch seeds of the frontiers start here (the layers' outputs take `index * PROJECTIONS + j`, below)
@@ -71,7 +71,7 @@ class FrontierRows:
             node, output_nr = key
 
             def hook(grad_outputs: tuple, key=key, output_nr=output_nr, seed=_SEED_BASE + number) -> None:
-                if grad_outputs[output_nr] is not None:
+                if grad_outputs[output_nr] is not None and not in_per_sample_vjp():
                     take(key, grad_outputs[output_nr], seed)
 
             handles.append(node.register_prehook(hook))

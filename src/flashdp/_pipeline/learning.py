@@ -159,8 +159,20 @@ def _frontiers(
     graph: LossGraph, calls: list[Call], candidates: list[Output], batch: int
 ) -> dict[tuple[int, int], tuple[object, list[shared_outputs.Frontier] | None]]:
     """(call, output) -> (its shape, its frontiers, or None where it is mis-shaped or does not reach the loss), each
-    beside the other candidates (an op adding two of them is no batch)."""
-    edges = frozenset((calls[o.call].edges[o.index].node, calls[o.call].edges[o.index].output_nr) for o in candidates)
+    beside the other candidates that are shared (an op adding two of them is no batch): those with frontiers of
+    their own (a call of a site known to share may be a per-sample lookup, `emb(ids) + emb(arange(T))`)."""
+    alone = _frontiers_beside(graph, calls, candidates, batch, frozenset())
+    edges = frozenset(
+        (calls[o.call].edges[o.index].node, calls[o.call].edges[o.index].output_nr)
+        for o in candidates
+        if alone[(o.call, o.index)][1]  # (frontiers of its own: [] or None where the batch never meets it)
+    )
+    return _frontiers_beside(graph, calls, candidates, batch, edges) if edges else alone
+
+
+def _frontiers_beside(
+    graph: LossGraph, calls: list[Call], candidates: list[Output], batch: int, edges: frozenset
+) -> dict[tuple[int, int], tuple[object, list[shared_outputs.Frontier] | None]]:
     regions: dict[int, list[set[Node]]] = {}
     found = {}
     for out in candidates:

@@ -245,7 +245,7 @@ def _broadcasts(
     for node, output_nr in others:
         if node is None:
             return True
-        if (node, output_nr) in shared:
+        if _batch_free(node, output_nr, shared):
             continue
         shape = node._input_metadata[output_nr].shape
         if len(shape) == len(theirs) and shape[0] == batch:
@@ -253,10 +253,48 @@ def _broadcasts(
     return False
 
 
+#: ops that compute elementwise, or move elements, from the tensors autograd tracks as their inputs and nothing
+#: else (an index or an embedding lookup takes untracked ids, which may be the batch's: not among them)
+_ELEMENTWISE = frozenset(
+    {
+        *("AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0", "NegBackward0", "CatBackward0"),
+        *("TanhBackward0", "SigmoidBackward0", "ExpBackward0", "ReluBackward0", "GeluBackward0", "SiluBackward0"),
+        *("CloneBackward0", "ToCopyBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0"),
+    }
+)
+
+
+def _batch_free(node: Node, output_nr: int, shared: SharedEdges, depth: int = 0) -> bool:
+    """Whether an op's input is computed from `shared` outputs and parameters alone (`tanh(table)`, `table * kind`):
+    through `_ELEMENTWISE` ops every input of which autograd tracks (an untracked one may be the batch's data:
+    `table * x`), of the same number of dims."""
+    if (node, output_nr) in shared:
+        return True
+    variable = getattr(node, "variable", None)
+    if variable is not None:
+        return isinstance(variable, torch.nn.Parameter)
+    if depth >= MAX_DEPTH or not shared or node.name() not in _ELEMENTWISE:
+        return False
+    rank = len(node._input_metadata[output_nr].shape)
+    return all(
+        child is not None and len(child._input_metadata[nr].shape) == rank and _batch_free(child, nr, shared, depth + 1)
+        for child, nr in node.next_functions
+    )
+
+
+#: whether a per-sample vjp of `_through` is running: autograd re-enters the frontier nodes' hooks (this module's,
+#: and the verifying pass's `FrontierRows`, which must not sketch its batched gradients)
+_IN_VJP = [False]
+
+
+def in_per_sample_vjp() -> bool:
+    return _IN_VJP[0]
+
+
 @contextlib.contextmanager
 def capturing_per_sample_gradients(shared: list[SharedOutput], batch: int) -> Iterator[None]:
     """While active (around the norm pass), fill each shared output's `per_sample` `[B, *shape]`."""
-    busy = [False]  # the vjps below re-enter autograd through the same frontier nodes
+    busy = _IN_VJP  # the vjps below re-enter autograd through the same frontier nodes
     handles = []
     for output in shared:
         output.per_sample = None

@@ -265,23 +265,6 @@ def unshared_without_batch(known: Knowledge, graph: LossGraph, calls: list[Call]
     return bool(lacking) and not set(lacking) <= shared(known, graph, calls)[0].keys()
 
 
-def read_inside_only(graph: LossGraph, call: Call) -> set[int]:
-    """The outputs of a call of several whose every use in the graph is inside the call, on the way to its other
-    outputs (an intermediate state a module also returns, as HF encoders with their hidden states, that the loss
-    does not read): their gradient from outside the call is zero on every step of this graph, and shows no sample
-    (a structure verified with it was never taken as decided: DeBERTa was verified again on every step)."""
-    if len(call.edges) < 2:
-        return set()
-    regions, found = _regions(call), set()
-    for j, edge in enumerate(call.edges):
-        consumers = graph.parents.get(edge.node, ())
-        uses = [node for node, slot in consumers if node.next_functions[slot][1] == edge.output_nr]
-        inside = set().union(*(regions[k] for k in range(len(call.edges)) if call.edges[k] != edge))
-        if uses and all(node in inside for node in uses):
-            found.add(j)
-    return found
-
-
 def _regions(call: Call) -> list[set[Node]]:
     """Per output of the call, the call's part of the graph below it: the nodes from its edge down to the call's
     inputs."""

@@ -342,7 +342,6 @@ def _verifying_pass(
     others = [other_readings(known.plan, c, batch) for c in rule_calls]
     verifying = Verifying(rule_calls, dims, set(shared), batch, others, after_learning, widest)
     verifying.frontier_rows = FrontierRows.of(shared, batch)
-    verifying.inside_only = [learning.read_inside_only(graph, c) for c in rule_calls]
     if aliased is not None:  # (raised once the layout is verified: learning it may move the parameter to an
         verifying.errors.append(aliased)  # enclosing generic rule, which counts it once)
     done = None

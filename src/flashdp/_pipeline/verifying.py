@@ -46,8 +46,6 @@ class Verifying:
     without_batch: set[int] = field(default_factory=set)
     #: where the shared outputs meet the batch, their rows verified as samples too
     frontier_rows: FrontierRows | None = None
-    #: per call, its outputs read only by its other outputs (`learning.read_inside_only`): no rows to verify
-    inside_only: list[set[int]] = field(default_factory=list)
     errors: list[Exception] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -88,8 +86,6 @@ class Verifying:
     def keep(self, index: int, grads: tuple) -> None:
         shared = {j for i, j in self.shared if i == index}
         call = self.calls[index]
-        if self.inside_only and self.inside_only[index]:  # (their gradient from outside is zero on every step)
-            grads = tuple(None if j in self.inside_only[index] else g for j, g in enumerate(grads))
         lacking = {
             j
             for j, (meta, dim, grad) in enumerate(zip(call.output_meta, self.dims[index], grads, strict=True))

@@ -402,14 +402,16 @@ def test_a_sequence_as_long_as_the_batch_after_other_shapes_is_exact(shapes, las
 
 
 class TableSlicedForABlock(nn.Module):
-    """A raw parameter's first T rows given to a custom block beside the batch."""
+    """A raw parameter's first T rows (`squashed`: through tanh) given to a custom block beside the batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, squashed: bool) -> None:
         super().__init__()
         self.table, self.block, self.head = nn.Parameter(torch.randn(8, 4) * 0.5), RawBlock4(), nn.Linear(4, 2)
+        self.squashed = squashed
 
     def forward(self, x):  # x [B, T, 4]
-        return self.head(self.block(x, self.table[: x.shape[1]]))
+        rows = self.table[: x.shape[1]]
+        return self.head(self.block(x, rows.tanh() if self.squashed else rows))
 
 
 class RawBlock4(nn.Module):
@@ -422,13 +424,15 @@ class RawBlock4(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
-def test_a_parameter_s_rows_given_to_a_generic_layer_are_not_sliced_where_their_number_is_the_batch(mode):
-    """(A breaker's false refusal: `table[:T]` with T == B was read by sample, as data of B rows.)"""
+@pytest.mark.parametrize("squashed", [False, True], ids=["slice", "tanh"])
+def test_a_parameter_s_rows_given_to_a_generic_layer_are_not_sliced_where_their_number_is_the_batch(squashed, mode):
+    """(Breakers' false refusals: `table[:T]`, then `table[:T].tanh()`, with T == B were read by sample, as data of
+    B rows.)"""
     torch.manual_seed(0)
     batches = [torch.randn(3, 4, 4, dtype=torch.float64), torch.randn(4, 4, 4, dtype=torch.float64)]
     check_steps(
-        TableSlicedForABlock().double(), batches, lambda m, x: m(x).square().sum((1, 2)), lambda x, i: x[i : i + 1],
-        [3, 4], mode=mode,
+        TableSlicedForABlock(squashed).double(), batches, lambda m, x: m(x).square().sum((1, 2)),
+        lambda x, i: x[i : i + 1], [3, 4], mode=mode,
     )  # fmt: skip
 
 

@@ -151,21 +151,24 @@ def shared_inputs(
     )
 
 
-#: ops that take one tensor and move or keep its elements (positions and sizes saved, no other tensor): what they
-#: compute from a parameter is that parameter's elements (an op with another input, even one untracked by autograd,
-#: may bring the batch's data in: `x @ w` with data `x` shows only `w` in the graph). Not an expand: a parameter
-#: expanded to B rows is a batch of copies, one per sample.
+#: ops that take one tensor and move its elements or map each one alone (positions and sizes saved, no other
+#: tensor): what they compute from a parameter is that parameter's elements, or a function of each (an op with
+#: another input, even one untracked by autograd, may bring the batch's data in: `x @ w` with data `x` shows only
+#: `w` in the graph; so may `table * 2.0`, whose number autograd records as such an input). Not an expand: a
+#: parameter expanded to B rows is a batch of copies, one per sample.
 _VIEWS = frozenset(
     {
         *("SliceBackward0", "SelectBackward0", "ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0"),
         *("PermuteBackward0", "TBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1"),
-        *("CloneBackward0", "ToCopyBackward0"),
+        *("CloneBackward0", "ToCopyBackward0", "TanhBackward0", "SigmoidBackward0", "ExpBackward0"),
+        *("NegBackward0", "ReluBackward0", "GeluBackward0", "SiluBackward0"),
     }
 )
 
 
 def _parameter_view(node: Node | None) -> bool:
-    """Whether `node` computes its output from one parameter through `_VIEWS` alone."""
+    """Whether `node` computes its output from one parameter through `_VIEWS` alone (`table[:T]`,
+    `table[:T].tanh()`)."""
     for _ in range(MAX_DEPTH):
         if node is None:
             return False

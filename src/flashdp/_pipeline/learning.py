@@ -173,6 +173,7 @@ def _frontiers(
 def _frontiers_beside(
     graph: LossGraph, calls: list[Call], candidates: list[Output], batch: int, edges: frozenset
 ) -> dict[tuple[int, int], tuple[object, list[shared_outputs.Frontier] | None]]:
+    """`_frontiers` with the outputs at `edges` (node, output_nr) taken as shared beside each candidate."""
     regions: dict[int, list[set[Node]]] = {}
     found = {}
     for out in candidates:
@@ -185,8 +186,8 @@ def _frontiers_beside(
                 regions[out.call] = _regions(call)
             others = [k for k in range(len(call.edges)) if k != out.index]
             inside = set().union(*(regions[out.call][k] for k in others))
-            outputs_ = {(call.edges[k].node, call.edges[k].output_nr) for k in others}
-            frontiers = shared_outputs.outside_frontiers(edge, graph.parents, batch, inside, outputs_, edges)
+            siblings = {(call.edges[k].node, call.edges[k].output_nr) for k in others}
+            frontiers = shared_outputs.outside_frontiers(edge, graph.parents, batch, inside, siblings, edges)
             if frontiers == [] and not graph.frontiers(edge, batch, edges):
                 frontiers = None  # (mis-shaped, or not reaching the loss, whatever the call's other outputs)
         found[(out.call, out.index)] = (out.meta.shape, frontiers)

@@ -156,7 +156,7 @@ def shared_inputs(
 #: another input, even one untracked by autograd, may bring the batch's data in: `x @ w` with data `x` shows only
 #: `w` in the graph; so may `table * 2.0`, whose number autograd records as such an input). Not an expand: a
 #: parameter expanded to B rows is a batch of copies, one per sample.
-_VIEWS = frozenset(
+_ONE_INPUT_MAPS = frozenset(
     {
         *("SliceBackward0", "SelectBackward0", "ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0"),
         *("PermuteBackward0", "TBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1"),
@@ -167,7 +167,7 @@ _VIEWS = frozenset(
 
 
 def _parameter_view(node: Node | None) -> bool:
-    """Whether `node` computes its output from one parameter through `_VIEWS` alone (`table[:T]`,
+    """Whether `node` computes its output from one parameter through `_ONE_INPUT_MAPS` alone (`table[:T]`,
     `table[:T].tanh()`)."""
     for _ in range(MAX_DEPTH):
         if node is None:
@@ -176,7 +176,7 @@ def _parameter_view(node: Node | None) -> bool:
         if variable is not None:
             return isinstance(variable, torch.nn.Parameter)
         tracked = [child for child, _ in node.next_functions if child is not None]
-        if node.name() not in _VIEWS or len(tracked) != 1:
+        if node.name() not in _ONE_INPUT_MAPS or len(tracked) != 1:
             return False
         node = tracked[0]
     return False

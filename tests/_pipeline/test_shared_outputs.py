@@ -311,10 +311,14 @@ class MaskedTable(nn.Module):
 def test_a_shared_output_reading_the_batch_s_masks_is_refused(mode, mask):
     """(A breaker's evasions of the generic rule's re-run with the data changed: a boolean mask was not changed,
     nor were NaN markers by `1 - 2 x`; both mixed samples silently, 2-6% off.)"""
-    table = MaskedTable(4)
-    engine = flashdp.make_private(table, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
     x = torch.randn(3, 4, 2, dtype=torch.float64)
     given = x[..., 0] > 0 if mask == "bool" else torch.where(x[..., 0] > 0, 1.0, torch.nan)
+    _assert_refused_as_reading_the_data(MaskedTable(4), x, given, mode)
+
+
+def _assert_refused_as_reading_the_data(table: nn.Module, x: torch.Tensor, given: torch.Tensor, mode: str) -> None:
+    """`table(given)` (all of its outputs shared) added to the batch `x` `[B, T, d]`: refused."""
+    engine = flashdp.make_private(table, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
     with pytest.raises(FlashDPError, match="may be the batch's data"):
         engine.backward(torch.tanh(x + table(given)).square().sum((1, 2)))
 
@@ -335,21 +339,20 @@ class OutlierScaledTable(nn.Module):
 def test_a_shared_output_reading_a_statistic_an_affine_change_keeps_is_refused(mode):
     """(A breaker's evasion of the re-run with the data changed by `1 - 2 x`: the share of outliers is the same
     under any negative affine map; 64% off, one sample moving the clipped sum by 3.2 C.)"""
-    table = OutlierScaledTable()
-    engine = flashdp.make_private(table, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
     x = torch.randn(7, 4, 4, dtype=torch.float64)
     x[6] += 10
-    with pytest.raises(FlashDPError, match="may be the batch's data"):
-        engine.backward(torch.tanh(x + table(x)).square().sum((1, 2)))
+    _assert_refused_as_reading_the_data(OutlierScaledTable(), x, x, mode)
 
 
 class RawBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(2, 2, dtype=torch.float64))
+    """A custom layer (the generic rule's) on `h` `[B, T, width]`, with a table added where one is given."""
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(h @ self.weight)
+    def __init__(self, width: int = 2) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width, dtype=torch.float64) / 2)
+
+    def forward(self, h: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.tanh(h @ self.weight if table is None else h @ self.weight + table)
 
 
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
@@ -406,21 +409,12 @@ class TableSlicedForABlock(nn.Module):
 
     def __init__(self, squashed: bool) -> None:
         super().__init__()
-        self.table, self.block, self.head = nn.Parameter(torch.randn(8, 4) * 0.5), RawBlock4(), nn.Linear(4, 2)
+        self.table, self.block, self.head = nn.Parameter(torch.randn(8, 4) * 0.5), RawBlock(4), nn.Linear(4, 2)
         self.squashed = squashed
 
     def forward(self, x):  # x [B, T, 4]
         rows = self.table[: x.shape[1]]
         return self.head(self.block(x, rows.tanh() if self.squashed else rows))
-
-
-class RawBlock4(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(4, 4) * 0.5)
-
-    def forward(self, x, table):
-        return torch.tanh(x @ self.weight + table)
 
 
 @pytest.mark.parametrize("mode", ["bk", "ghost"])

@@ -293,7 +293,17 @@ def _refuse_reading_the_data(
     seen: docs/assumptions.md."""
     leaves, spec = inputs
     same = _batch_outputs(call, params, tree_unflatten(leaves, spec), slots)
-    if not all(_same_outputs(call, params, (leaves, spec), data, slots, same, change) for change in _PROBES):
+
+    def unmoved_by(change: Callable[[Tensor], Tensor]) -> bool:
+        """Whether the outputs stay `same` to the bit with the inputs that may be data changed by `change`."""
+        probe = [change(x) if i in data else x for i, x in enumerate(leaves)]
+        try:
+            other = _batch_outputs(call, params, tree_unflatten(probe, spec), slots)
+        except _TRANSFORM_ERRORS:  # (values used as indices, say: read all the same)
+            return False
+        return all(torch.equal(a, b) for a, b in zip(same, other, strict=True))
+
+    if not all(unmoved_by(change) for change in _PROBES):
         shapes = ", ".join(str(tuple(leaves[i].shape)) for i in data)
         raise FlashDPError(
             f"The output of {call.label} has no batch dim and is broadcast over the batch, yet it changes with the "
@@ -303,25 +313,6 @@ def _refuse_reading_the_data(
             "(compute it per sample), or, if that input is a table rather than data, give it a leading dim of 1 "
             "(`table[None]`)."
         )
-
-
-def _same_outputs(
-    call: LayerCall,
-    params: dict[str, Tensor],
-    inputs: tuple[list, object],
-    data: list[int],
-    slots: tuple[int, ...],
-    same: list[Tensor],
-    change: Callable[[Tensor], Tensor],
-) -> bool:
-    """Whether the outputs at `slots` are `same` to the bit with the inputs at `data` changed by `change`."""
-    leaves, spec = inputs
-    probe = [change(x) if i in data else x for i, x in enumerate(leaves)]
-    try:
-        other = _batch_outputs(call, params, tree_unflatten(probe, spec), slots)
-    except _TRANSFORM_ERRORS:  # (values used as indices, say: read all the same)
-        return False
-    return all(torch.equal(a, b) for a, b in zip(same, other, strict=True))
 
 
 def _changed(x: Tensor) -> Tensor:

@@ -989,14 +989,15 @@ def test_the_same_update_out_of_place_is_exact_on_every_step(mode):
 
 
 class Shift(nn.Module):
-    """`x * w + b` elementwise: no rule of its own, the generic rule counts it (re-running its forward)."""
+    """`x @ w + b`: no rule of its own, the generic rule counts it (re-running its forward: `x * w + b`, scaling
+    elementwise, is counted where it meets the batch instead, `test_broadcast_params.py`)."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.w, self.b = nn.Parameter(torch.randn(width)), nn.Parameter(torch.randn(width))
+        self.w, self.b = nn.Parameter(torch.randn(width, width)), nn.Parameter(torch.randn(width))
 
     def forward(self, x):
-        return x * self.w + self.b
+        return x @ self.w + self.b
 
 
 def _shift_then_relu() -> nn.Module:
@@ -1215,17 +1216,19 @@ def test_an_autograd_function_torch_func_cannot_transform_is_counted_one_sample_
 
 
 class ReadsAnAlias(nn.Module):
-    """`v` read through a Python list (functional_call cannot swap it), under control flow vmap cannot run."""
+    """`v` read through a Python list (functional_call cannot swap it), under control flow vmap cannot run; a
+    matrix, multiplied with the batch (a parameter scaling it elementwise is counted where it meets the batch,
+    with no re-run: `test_broadcast_params.py`)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.w, self.v, self.head = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3)), nn.Linear(3, 2)
+        self.w, self.v, self.head = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3, 3)), nn.Linear(3, 2)
         self.alias = [self.v]
 
     def forward(self, x):  # x [B, 3]
         h = x * self.w
         if bool((x.abs() < 1e6).all()):
-            h = h + x * self.alias[0]
+            h = h + x @ self.alias[0]
         return self.head(h)
 
 
@@ -1242,11 +1245,12 @@ def test_a_parameter_read_without_the_swap_is_refused_one_sample_at_a_time_too(m
 
 
 class RunningMean(nn.Module):
-    """Updates a running mean and a sample count in its training forward (vmap refuses the write)."""
+    """Updates a running mean and a sample count in its training forward (vmap refuses the write); its parameter a
+    matrix (the generic rule re-runs the forward)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.w, self.head = nn.Parameter(torch.randn(3)), nn.Linear(3, 2)
+        self.w, self.head = nn.Parameter(torch.randn(3, 3)), nn.Linear(3, 2)
         self.register_buffer("mean", torch.zeros(3))
         self.register_buffer("seen", torch.zeros(()))
 
@@ -1254,7 +1258,7 @@ class RunningMean(nn.Module):
         with torch.no_grad():
             self.mean.mul_(0.9).add_(0.1 * x.mean(0))
             self.seen.add_(x.shape[0])
-        return self.head(x * self.w)
+        return self.head(x @ self.w)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -200,23 +200,27 @@ def test_a_layer_called_twice_in_a_row_is_exact(mode):
 
 
 class ReturnsAlias(nn.Module):
-    """Returns its parameter through a plain list: functional_call's swap does not reach it."""
+    """Reads its parameter through a plain list: functional_call's swap does not reach it. `product` multiplies
+    the batch by it (a matrix product: the generic rule's re-run counts it), else it is added to the batch (counted
+    where it meets the batch, from autograd's own graph: no re-run, no swap)."""
 
-    def __init__(self) -> None:
+    def __init__(self, product: bool = True) -> None:
         super().__init__()
-        self.p = nn.Parameter(torch.randn(4, 3))
-        self.alias = [self.p]
+        self.p = nn.Parameter(torch.randn(3, 3) if product else torch.randn(4, 3))
+        self.alias, self.product = [self.p], product
 
     def forward(self, x):
-        return x + self.alias[0]
+        return x @ self.alias[0] if self.product else x + self.alias[0]
 
 
 class ReadsThroughClosure(nn.Module):
-    def __init__(self) -> None:
+    """`ReturnsAlias`, the parameter read in a closure; its broadcast use scales the batch elementwise."""
+
+    def __init__(self, product: bool = True) -> None:
         super().__init__()
-        self.p = nn.Parameter(torch.randn(4, 3))
+        self.p = nn.Parameter(torch.randn(3, 3) if product else torch.randn(4, 3))
         p = self.p
-        self.scale = lambda x: torch.tanh(x) * p
+        self.scale = (lambda x: torch.tanh(x) @ p) if product else (lambda x: torch.tanh(x) * p)
 
     def forward(self, x):
         return self.scale(x)
@@ -234,9 +238,9 @@ class ReadsItsAttribute(nn.Module):
 
 
 class WithTable(nn.Module):
-    def __init__(self, table_type) -> None:
+    def __init__(self, table_type, **options) -> None:
         super().__init__()
-        self.t, self.q = table_type(), nn.Linear(3, 2)
+        self.t, self.q = table_type(**options), nn.Linear(3, 2)
 
     def forward(self, x, flag):
         return self.q(torch.tanh(self.t(x)))
@@ -247,6 +251,14 @@ class WithTable(nn.Module):
 def test_a_parameter_read_past_the_generic_rules_swap_is_refused(table_type, mode):
     torch.manual_seed(0)
     _refused_on_every_step(WithTable(table_type).double(), mode, "read 'p' without the swap")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parameter_read_past_the_swap_that_meets_the_batch_by_broadcast_is_exact(mode):
+    """(Not the closure: the oracle's deep copy of the model would read the original's parameter.)"""
+    torch.manual_seed(0)
+    flags = (False, False)
+    check_steps(WithTable(ReturnsAlias, product=False).double(), _batches(flags), _loss, _rows, [3, 3], mode=mode)
 
 
 @pytest.mark.parametrize("mode", MODES)

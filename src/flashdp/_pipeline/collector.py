@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.autograd.graph import Node
 from torch.utils._pytree import tree_flatten
 
+from flashdp._pipeline.broadcast_params import parameters_of
 from flashdp._pipeline.norm_pass import OutputGrads, Sharing, check_call, per_sample_gradients
 from flashdp._pipeline.param_grad import ParamGradient, ParamNorm, StrategyChoice, norms_together
 from flashdp._pipeline.params import TrainableParam
@@ -162,8 +163,9 @@ class NormCollector:
                 self._fingerprint(index, call, grads, dims)
             if any(isinstance(g, DeferredOuterGrad) for g in per_sample.values()):
                 per_sample = {name: _as_called_later(g, call.attributes) for name, g in per_sample.items()}
+            generic = site.is_generic and not set(site.trainable) <= set(self._broadcast(index, site, call))
             for name, key in keys.items():
-                self._parts.setdefault(key, []).append(_Part(index, per_sample[name], site.label, site.is_generic))
+                self._parts.setdefault(key, []).append(_Part(index, per_sample[name], site.label, generic))
                 self._first_call.setdefault(key, index)
         del call, grads
         for key in keys.values():
@@ -217,8 +219,12 @@ class NormCollector:
             like = next(g for g in grads if g is not None)
             return {name: like.new_zeros(0, *shape) for name, shape in zip(site.trainable, shapes, strict=True)}
         inputs = self._shared_inputs(call) if site.match.rule.per_call else frozenset()
-        sharing = Sharing(self._shared_per_sample(index), inputs)
+        sharing = Sharing(self._shared_per_sample(index), inputs, self._broadcast(index, site, call))
         return per_sample_gradients(site, call, grads, self.batch, sharing, dims)
+
+    def _broadcast(self, index: int, site: Site, call: Call) -> dict[str, Tensor | None]:
+        """Call `index`'s parameters counted where they meet the batch (`broadcast_params`), by name."""
+        return parameters_of(self._shared, index, site.trainable, len(call.edges)) if self._shared else {}
 
     def _shared_inputs(self, call: Call) -> frozenset[int]:
         """`LayerCall.shared_inputs` of a call (of its parameters alone where no output is shared in this pass)."""

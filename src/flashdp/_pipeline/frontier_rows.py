@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from torch import Tensor
-from torch.autograd.graph import Node
+from torch.autograd.graph import GradientEdge, Node
 
 from flashdp._pipeline import self_check
 from flashdp._pipeline.shared_outputs import SharedOutput, in_per_sample_vjp
@@ -30,6 +30,8 @@ class FrontierRows:
     #: (node, output_nr) of each frontier -> the indices of the calls whose shared output it is the frontier of
     frontiers: dict[tuple[Node, int], set[int]]
     batch: int
+    #: the edges of the parameters among them (`broadcast_params`): autograd runs their frontiers only when asked
+    reach: list[GradientEdge] = field(default_factory=list)
     sketches: dict[tuple[Node, int], self_check.RowSketch] = field(default_factory=dict)
     failing: set[int] = field(default_factory=set)
 
@@ -39,7 +41,7 @@ class FrontierRows:
         for (call, _), output in shared.items():
             for frontier in output.frontiers:
                 frontiers.setdefault((frontier.node, frontier.output_nr), set()).add(call)
-        return FrontierRows(frontiers, batch)
+        return FrontierRows(frontiers, batch, [output.edge for output in shared.values() if output.parameter])
 
     @contextlib.contextmanager
     def sketching(self) -> Iterator[None]:
@@ -66,12 +68,15 @@ class FrontierRows:
 
     @contextlib.contextmanager
     def _hooked(self, take) -> Iterator[None]:
-        handles = []
+        """Hooks calling `take` on each frontier's output gradient the first time its node runs in the pass (a
+        frontier inside a call runs again where `norm_pass._outside_gradients` takes the call's outputs apart)."""
+        handles, taken = [], set()
         for number, key in enumerate(self.frontiers if self.batch > 1 else ()):
             node, output_nr = key
 
             def hook(grad_outputs: tuple, key=key, output_nr=output_nr, seed=_SEED_BASE + number) -> None:
-                if grad_outputs[output_nr] is not None and not in_per_sample_vjp():
+                if grad_outputs[output_nr] is not None and not in_per_sample_vjp() and key not in taken:
+                    taken.add(key)
                     take(key, grad_outputs[output_nr], seed)
 
             handles.append(node.register_prehook(hook))

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import Node
 
 from flashdp._pipeline import coverage, shared_outputs
+from flashdp._pipeline.broadcast_params import broadcast_parameters
 from flashdp._pipeline.knowledge import Knowledge
 from flashdp._pipeline.layout import Ambiguous, Output, lacks_batch, outputs, time_major_dim
 from flashdp._pipeline.loss_graph import LossGraph
@@ -114,7 +115,8 @@ def shared(
     knowledge that their sites share. An output of a call with several takes its per-sample gradient through its
     uses outside the call alone (`shared_outputs.outside_frontiers`): the paths inside the call to its other
     outputs are theirs, which the call's rule maps back through the call (as `norm_pass._outside_gradients` does
-    for batch outputs); where it has no other use, its gradient is None."""
+    for batch outputs); where it has no other use, its gradient is None. With them, the parameters of generic
+    sites' calls counted where they meet the batch (`broadcast_params`)."""
     batch = graph.loss.shape[0]
     if batch < 2:
         return {}, known
@@ -126,11 +128,12 @@ def shared(
     }
     readers = sample_readers(known, calls, set(found), batch, by_chance)
     found = {key: output for key, output in found.items() if key not in readers}
-    return found, known.sharing(id(calls[i].module) for i, _ in found)
+    known = known.sharing(id(calls[i].module) for i, _ in found)
+    return found | broadcast_parameters(known.plan, graph, calls), known
 
 
 def frontier_places(known: Knowledge, graph: LossGraph, calls: list[Call]) -> tuple:
-    """Where the outputs that `shared` would take as shared meet the batch, as places in the graph
+    """Where the outputs (and parameters) that `shared` would take as shared meet the batch, as places in the graph
     (`LossGraph.places`): a structure is verified with its frontiers, whose rows the verifying pass checks are the
     samples'. A later step of the same ops and size classes may place a frontier elsewhere (a sum of two tables
     `[T, d]` with T == B passes for a batch): another structure, verified again."""
@@ -139,6 +142,7 @@ def frontier_places(known: Knowledge, graph: LossGraph, calls: list[Call]) -> tu
         return ()
     found = _frontiers(graph, calls, _shared_candidates(known, calls, batch)[0], batch).items()
     groups = [(calls[c].edges[j], *(frontiers or ())) for (c, j), (_, frontiers) in found]
+    groups += [(p.edge, *p.frontiers) for p in broadcast_parameters(known.plan, graph, calls).values()]
     return tuple(sorted(graph.places(groups), key=repr))
 
 

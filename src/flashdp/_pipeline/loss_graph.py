@@ -102,13 +102,13 @@ class LossGraph:
         return edge.node is self.loss.grad_fn or edge.node in self.parents
 
     def frontiers(
-        self, edge: GradientEdge, batch: int, shared: shared_outputs.SharedEdges = frozenset()
+        self, edge: GradientEdge, batch: int, shared: shared_outputs.SharedEdges = frozenset(), parameter: bool = False
     ) -> list[shared_outputs.Frontier]:
         """Where the batch first appears above a shared output (`shared_outputs.frontiers`), beside the `shared`
         ones (walked once per backward: a structure's key and the norm pass ask alike)."""
-        key = (edge.node, edge.output_nr, batch, shared)
+        key = (edge.node, edge.output_nr, batch, shared, parameter)
         if key not in self._frontiers:
-            self._frontiers[key] = shared_outputs.frontiers(edge, self.parents, batch, shared)
+            self._frontiers[key] = shared_outputs.frontiers(edge, self.parents, batch, shared, parameter)
         return self._frontiers[key]
 
     def above(self, edges: Collection[tuple[Node, int]]) -> set[Node]:

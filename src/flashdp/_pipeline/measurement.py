@@ -355,7 +355,9 @@ def _verifying_pass(
             releasing_packed_inputs(calls),
             verifying.sketching_frontiers(),
         ):
-            stream_output_gradients(graph, list(rule_calls), verifying.keep, held=(), retain_graph=True)
+            stream_output_gradients(
+                graph, list(rule_calls), verifying.keep, held=(), retain_graph=True, reach=verifying.frontier_rows.reach
+            )
     found, known = _verdict(parts, known, graph, verifying, calls)
     if found is Found.VERIFIED:
         return _Verified(known, verifying.decided(), routed, done)
@@ -479,6 +481,7 @@ def _collect(
             {i for i, _ in shared},
             keeps.graph or verifying is not None,
             prepare=collector.unpack,
+            reach=[output.edge for output in shared.values() if output.parameter],
         )
     return _Pass(known, collector, dtypes, frontiers)
 

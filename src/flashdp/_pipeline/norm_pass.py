@@ -9,28 +9,31 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import Node
+from torch.autograd.graph import GradientEdge, Node
 
 from flashdp._pipeline.loss_graph import LossGraph
 from flashdp._pipeline.params import attribute
 from flashdp._pipeline.plan import Site
 from flashdp._pipeline.recorder import Call
 from flashdp.errors import FlashDPError
-from flashdp.per_sample import LayerCall, PerSampleGrad
+from flashdp.per_sample import LayerCall, PerSampleGrad, accumulation_dtype
 
 #: per call, the gradient at each of its output edges (None where it does not reach the loss)
 OutputGrads = tuple[Tensor | None, ...]
 
 
-def output_gradients(loss: Tensor, calls: Sequence[Call], retain_graph: bool) -> list[OutputGrads]:
+def output_gradients(
+    loss: Tensor, calls: Sequence[Call], retain_graph: bool, reach: Sequence[GradientEdge] = ()
+) -> list[OutputGrads]:
     """`d sum(loss) / d output` of every output of every call, through the uses of the output outside the call
-    (see `_outside_gradients`)."""
+    (see `_outside_gradients`). Autograd runs the ops on the way to `reach` too (their gradients are dropped):
+    the frontiers of parameters counted where they meet the batch, whose hooks take those."""
     feeding = [_feeding_outputs(call) for call in calls]
     with torch.enable_grad():
         total = loss.sum()
     grads = torch.autograd.grad(
         total,
-        [e for c in calls for e in c.edges],
+        [e for c in calls for e in c.edges] + list(reach),
         retain_graph=retain_graph or any(feeding),
         allow_unused=True,
     )
@@ -49,6 +52,7 @@ def stream_output_gradients(
     held: Collection[int],
     retain_graph: bool,
     prepare: Callable[[int], None] = lambda index: None,
+    reach: Sequence[GradientEdge] = (),
 ) -> None:
     """`output_gradients` of `graph.loss`, handed to `receive(index, grads)` call by call; each gradient of a
     one-output call not in `held` is handed over as autograd computes it and lives no longer than in a plain
@@ -59,7 +63,8 @@ def stream_output_gradients(
     call's output is on the way to one of those, so autograd runs its node, and a pre-hook on that node takes the
     gradient flowing in. `calls` is emptied: this function keeps only the edges of the calls it does not ask
     autograd about (whoever receives a call's gradients holds the call). `prepare(index)` runs for each asked
-    call as the pass begins, before any of the graph is freed (to unpack its inputs: `Call.unpacked`)."""
+    call as the pass begins, before any of the graph is freed (to unpack its inputs: `Call.unpacked`). `reach`: see
+    `output_gradients`."""
     loss = graph.loss
     above = graph.above({(e.node, e.output_nr) for c in calls for e in c.edges})
     single = {
@@ -75,7 +80,7 @@ def stream_output_gradients(
     handovers = [_Handover(slots, receive) for slots in hooked.values()]
     handles += [node.register_prehook(h) for node, h in zip(hooked, handovers, strict=True)]
     try:
-        grads = output_gradients(loss, list(asked.values()), retain_graph)
+        grads = output_gradients(loss, list(asked.values()), retain_graph, reach)
     finally:
         for handle in handles:
             handle.remove()
@@ -188,7 +193,10 @@ class Sharing(NamedTuple):
     #: output index -> the per-sample gradient `[B, *shape]` of an output shared across the batch
     outputs: dict[int, Tensor]
     #: `LayerCall.shared_inputs`, for a per-call rule
-    inputs: frozenset[int] = frozenset()
+    inputs: frozenset[int]
+    #: parameter name -> its per-sample gradient `[B, *shape]` (None where no gradient reached it), taken where it
+    #: meets the batch (`broadcast_params`): the generic rule does not run where it has them all
+    params: dict[str, Tensor | None]
 
 
 def per_sample_gradients(
@@ -217,6 +225,8 @@ def _run_rule(
     """The site's rule on one call. An output shared across the batch brings its per-sample gradient
     `[B, *shape]`; a simple rule then sees B copies of the call's inputs."""
     rule, shared = site.match.rule, sharing.outputs
+    if site.trainable and set(site.trainable) <= set(sharing.params):
+        return {name: _captured(sharing.params[name], call, name, batch) for name in site.trainable}
     rows = _rows_per_sample(call, dims, batch, shared)
     if not rule.per_call:
         inputs, shape = call.inputs, call.output_meta[0].shape
@@ -251,6 +261,15 @@ def _run_rule(
         shared_inputs=sharing.inputs,
     )
     return rule.per_sample_grads(layer_call)
+
+
+def _captured(per_sample: Tensor | None, call: Call, name: str, batch: int) -> Tensor:
+    """A parameter's per-sample gradient taken where it meets the batch, in the accumulation dtype; zeros where no
+    gradient reached it on this pass."""
+    if per_sample is None:
+        param = call.params[name] if name in call.params else attribute(call.module, name)
+        return param.new_zeros(batch, *param.shape, dtype=accumulation_dtype(param))
+    return per_sample.to(accumulation_dtype(per_sample))
 
 
 def _rows_per_sample(call: Call, dims: tuple[int, ...], batch: int, shared: dict[int, Tensor]) -> int:

@@ -27,6 +27,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import GradientEdge
 
 from flashdp._pipeline.loss_graph import LossGraph
 from flashdp._pipeline.norm_pass import stream_output_gradients
@@ -216,6 +217,9 @@ class ComparedRows(Protocol):
     """More rows compared in each weighted pass (`frontier_rows.FrontierRows`: where shared outputs meet the
     batch)."""
 
+    #: edges autograd must compute the gradient of for the rows to flow through (parameters' frontiers)
+    reach: Sequence[GradientEdge]
+
     def comparing(self, weights: Tensor, rtol: float, floors: Tensor) -> contextlib.AbstractContextManager: ...
 
 
@@ -250,7 +254,9 @@ def batch_independence_failures(
         weights = weights if users is None else users.per_row(weights)
         comparing = frontiers.comparing(weights, rtol, floors) if frontiers else contextlib.nullcontext()
         with comparing:
-            failed, passed = _weighted_pass(loss, calls, sketches, batch_dims, (weights, rtol, floors), others)
+            failed, passed = _weighted_pass(
+                loss, calls, sketches, batch_dims, (weights, rtol, floors), others, frontiers.reach if frontiers else ()
+            )
         failing |= failed
         elsewhere = passed if elsewhere is None else elsewhere & passed
     return sorted(failing), sorted((elsewhere or set()) - failing)
@@ -263,6 +269,7 @@ def _weighted_pass(
     batch_dims: Sequence[tuple[int, ...]],
     comparing: tuple[Tensor, float, Tensor],
     others: OtherLayouts,
+    reach: Sequence[GradientEdge] = (),
 ) -> tuple[set[int], set[int]]:
     """One weighted pass (`comparing`: the `[B]` weights, rtol, the samples' floors): the calls with an output
     failing its sketch, and those with an output that passes read in one of its other layouts too."""
@@ -287,7 +294,7 @@ def _weighted_pass(
             if any(other.passes_with_rows(grad, shape, d, weights, rtol, floors) for shape, d, other in readings):
                 passing_elsewhere.add(index)
 
-    stream_output_gradients(LossGraph(weighted_loss), list(calls), compare, held=(), retain_graph=True)
+    stream_output_gradients(LossGraph(weighted_loss), list(calls), compare, held=(), retain_graph=True, reach=reach)
     return failing, passing_elsewhere
 
 

@@ -52,6 +52,8 @@ class SharedOutput:
     shape: torch.Size
     frontiers: list[Frontier]
     per_sample: Tensor | None = field(default=None, repr=False)
+    #: a parameter that meets the batch by broadcast (`broadcast_params`), not an output
+    parameter: bool = False
 
 
 #: (node, output_nr) of the outputs known to be shared across the batch
@@ -59,12 +61,18 @@ SharedEdges = Collection[tuple[Node, int]]
 
 
 def frontiers(
-    edge: GradientEdge, graph: dict[Node, list[tuple[Node, int]]], batch: int, shared: SharedEdges = frozenset()
+    edge: GradientEdge,
+    graph: dict[Node, list[tuple[Node, int]]],
+    batch: int,
+    shared: SharedEdges = frozenset(),
+    parameter: bool = False,
 ) -> list[Frontier]:
     """Where the batch first appears above a shared tensor, on every path to the loss; [] if it does not reach the
     loss or some path gets there without meeting the batch (then it is not shared but mis-shaped). `shared`: the
-    other outputs shared across the batch, which an op adding them to this one does not make a batch of."""
-    return outside_frontiers(edge, graph, batch, shared=shared) or []
+    other outputs shared across the batch, which an op adding them to this one does not make a batch of.
+    `parameter`: the edge is a parameter's, whose elements a slice may cut to any size (`pos[:, :T]` of a table
+    of 2 B positions is no sum over samples; `broadcast_params` accepts only such maps below a frontier)."""
+    return outside_frontiers(edge, graph, batch, shared=shared, parameter=parameter) or []
 
 
 def outside_frontiers(
@@ -74,6 +82,7 @@ def outside_frontiers(
     inside: Collection[Node] = frozenset(),
     others: Collection[tuple[Node, int]] = frozenset(),
     shared: SharedEdges = frozenset(),
+    parameter: bool = False,
 ) -> list[Frontier] | None:
     """`frontiers` of one output of a call, through its uses outside the call: not on the paths inside the call
     to its `others` outputs (their own gradients count those paths, through the call's rule), so neither past one
@@ -100,7 +109,7 @@ def outside_frontiers(
             if carrying and _broadcasts(consumer, slots, consumer._input_metadata[carrying[0]].shape, batch, shared):
                 if consumer not in inside:
                     found.append(Frontier(consumer, carrying[0], slots, (node, output_nr)))
-            elif any(_merges_batch_sized(ours, m.shape, batch) for m in consumer._input_metadata):
+            elif not parameter and any(_merges_batch_sized(ours, m.shape, batch) for m in consumer._input_metadata):
                 return None  # (rows of samples mixed, then broadcast: not shared, a loss mixing the samples)
             else:
                 pending += [(consumer, j, depth + 1) for j in range(len(consumer._input_metadata))]
@@ -156,7 +165,7 @@ def shared_inputs(
 #: another input, even one untracked by autograd, may bring the batch's data in: `x @ w` with data `x` shows only
 #: `w` in the graph; so may `table * 2.0`, whose number autograd records as such an input). Not an expand: a
 #: parameter expanded to B rows is a batch of copies, one per sample.
-_ONE_INPUT_MAPS = frozenset(
+ONE_INPUT_MAPS = frozenset(
     {
         *("SliceBackward0", "SelectBackward0", "ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0"),
         *("PermuteBackward0", "TBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1"),
@@ -167,7 +176,7 @@ _ONE_INPUT_MAPS = frozenset(
 
 
 def _parameter_view(node: Node | None) -> bool:
-    """Whether `node` computes its output from one parameter through `_ONE_INPUT_MAPS` alone (`table[:T]`,
+    """Whether `node` computes its output from one parameter through `ONE_INPUT_MAPS` alone (`table[:T]`,
     `table[:T].tanh()`)."""
     for _ in range(MAX_DEPTH):
         if node is None:
@@ -176,7 +185,7 @@ def _parameter_view(node: Node | None) -> bool:
         if variable is not None:
             return isinstance(variable, torch.nn.Parameter)
         tracked = [child for child, _ in node.next_functions if child is not None]
-        if node.name() not in _ONE_INPUT_MAPS or len(tracked) != 1:
+        if node.name() not in ONE_INPUT_MAPS or len(tracked) != 1:
             return False
         node = tracked[0]
     return False
@@ -296,16 +305,19 @@ def in_per_sample_vjp() -> bool:
 
 @contextlib.contextmanager
 def capturing_per_sample_gradients(shared: list[SharedOutput], batch: int) -> Iterator[None]:
-    """While active (around the norm pass), fill each shared output's `per_sample` `[B, *shape]`."""
+    """While active (around the norm pass), fill each shared output's `per_sample` `[B, *shape]`. Each frontier
+    counts once: the first time its node runs, in the pass's own backward (a parameter's frontier inside its call
+    runs again where `norm_pass._outside_gradients` takes the call's outputs apart)."""
     busy = _IN_VJP  # the vjps below re-enter autograd through the same frontier nodes
-    handles = []
+    handles, taken = [], set()
     for output in shared:
         output.per_sample = None
         for frontier in output.frontiers:
 
             def hook(grad_outputs, output=output, frontier=frontier):
-                if busy[0] or grad_outputs[frontier.output_nr] is None:
+                if busy[0] or grad_outputs[frontier.output_nr] is None or (id(output), frontier) in taken:
                     return
+                taken.add((id(output), frontier))
                 busy[0] = True
                 try:
                     part = _through(frontier, grad_outputs, output, batch)
@@ -332,10 +344,15 @@ def _through(frontier: Frontier, grad_outputs: tuple, output: SharedOutput, batc
         alpha = float(getattr(node, "_saved_alpha", 1.0))
         scale = sum(1.0 if slot == 0 else sign * alpha for slot in frontier.slots)
         at_child = scale * _sum_to(grad, child_shape, batch)
-    else:  # any other op: its backward on each sample's rows alone
+    else:  # a product: each sample's rows times the other factor's; any other op: its backward on them alone
         try:
-            at_child = torch.stack(
-                [_local_backward(frontier, grad_outputs, i).sum_to_size(child_shape) for i in range(batch)]
+            product = _times_other_factor(frontier, grad)
+            at_child = (
+                _sum_to(product, child_shape, batch)
+                if product is not None
+                else torch.stack(
+                    [_local_backward(frontier, grad_outputs, i).sum_to_size(child_shape) for i in range(batch)]
+                )
             )
         except CheckpointError as error:
             raise _checkpointed_frontier_error(node) from error
@@ -345,6 +362,20 @@ def _through(frontier: Frontier, grad_outputs: tuple, output: SharedOutput, batc
         [GradientEdge(*frontier.child)], [output.edge], [at_child], retain_graph=True, is_grads_batched=True
     )
     return per_sample.reshape(batch, *output.shape)
+
+
+def _times_other_factor(frontier: Frontier, grad: Tensor) -> Tensor | None:
+    """`grad * b` `[B, ...]` for a frontier `a * b` with the shared tensor `a` on one side only (its backward
+    before the sum to a's shape, for all samples in one op instead of B runs of the node); None for any other op,
+    or where `b` is saved through hooks (an activation checkpoint's recomputation may be unpacked once: the node's
+    own backward reads it after this)."""
+    node = frontier.node
+    if node.name() != "MulBackward0" or len(frontier.slots) != 1 or grad.is_complex():
+        return None
+    name = "other" if frontier.slots[0] == 0 else "self"
+    if getattr(node, f"_raw_saved_{name}").unpack_hook is not None:
+        return None
+    return grad * getattr(node, f"_saved_{name}")
 
 
 def _local_backward(frontier: Frontier, grad_outputs: tuple, sample: int) -> Tensor:

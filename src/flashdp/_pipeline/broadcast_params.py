@@ -1,0 +1,118 @@
+"""Parameters that meet the batch by broadcast: a layer scale `gamma * x` (BEiT, ConvNeXt, DINOv2, CaiT), a class
+token expanded to every sample, a position table added to the tokens, learnt latents. Held by a module that has no
+rule of its own (a transformer block, the embeddings), they are the generic rule's, whose re-run of the module's
+whole forward per sample costs a forward and a backward of everything the module holds (BEiT's blocks: 3.4x
+non-private training in bk).
+
+Such a parameter is counted like an output shared across the batch (`shared_outputs`) instead: the norm pass's own
+backward takes the gradient flowing into each op where the batch first appears above the parameter (its
+*frontiers*, on every path to the loss), row i taken back through that op alone to the parameter: sample i's
+gradient, `[B, *shape]`, for all samples at once (a product's backward is `grad * other` before its sum). That row
+i there is sample i's is verified, with the shared outputs' frontiers, by the verifying pass (`frontier_rows`), on
+every new structure; where the frontiers sit is part of the structure (`learning.frontier_places`).
+
+A call's parameters are taken so only where every one its site counts is a leaf that this call alone counts and
+that has frontiers (a parameter used in a matrix product, or counted by two calls, leaves the whole call to the
+generic rule). They are keyed among the shared outputs as (call, `len(call.edges) + k`), k the parameter's index in
+its site's `trainable`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
+
+from torch import Tensor
+from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from flashdp._pipeline.loss_graph import LossGraph
+from flashdp._pipeline.params import attribute
+from flashdp._pipeline.plan import GradientPlan
+from flashdp._pipeline.recorder import Call
+from flashdp._pipeline.shared_outputs import MAX_DEPTH, ONE_INPUT_MAPS, Frontier, SharedOutput
+
+Key = tuple[int, int]
+
+
+def broadcast_parameters(plan: GradientPlan, graph: LossGraph, calls: Sequence[Call]) -> dict[Key, SharedOutput]:
+    """(call, `len(call.edges) + k`) -> the k-th parameter of a generic site's call, counted at its frontiers, for
+    every call whose parameters all can be (see the module docstring); none on a batch of one."""
+    batch = graph.loss.shape[0]
+    if batch < 2:
+        return {}
+    counted = Counter(plan.param_of[(id(c.module), name)].key for c in calls for name in plan.site(c.module).trainable)
+    found: dict[Key, SharedOutput] = {}
+    for index, call in enumerate(calls):
+        site = plan.site(call.module)
+        if site.is_generic and site.trainable:
+            found |= _call_parameters(plan, graph, call, index, counted) or {}
+    return found
+
+
+def _call_parameters(
+    plan: GradientPlan, graph: LossGraph, call: Call, index: int, counted: Mapping[Hashable, int]
+) -> dict[Key, SharedOutput] | None:
+    """The call's parameters with their frontiers, or None where one of them cannot be counted at frontiers."""
+    batch, found = graph.loss.shape[0], {}
+    for k, name in enumerate(plan.site(call.module).trainable):
+        tensor = call.params[name] if name in call.params else attribute(call.module, name)
+        if counted[plan.param_of[(id(call.module), name)].key] != 1 or not _is_leaf(tensor):
+            return None
+        edge = get_gradient_edge(tensor)
+        frontiers = _frontiers(graph, edge, batch)
+        if frontiers is None:
+            return None
+        found[(index, len(call.edges) + k)] = SharedOutput(edge, tensor.shape, frontiers, parameter=True)
+    return found
+
+
+def _frontiers(graph: LossGraph, edge: GradientEdge, batch: int) -> list[Frontier] | None:
+    """A parameter's frontiers ([] where it does not reach the loss: no gradient), or None where it cannot be
+    counted at them."""
+    if not graph.reaches_loss(edge):
+        return []
+    found = graph.frontiers(edge, batch, parameter=True)
+    if not found or not all(_takes_back(f.node) and _elements_of(f.child[0], edge.node) for f in found):
+        return None
+    return found
+
+
+def _takes_back(node: Node) -> bool:
+    """Whether each sample's rows can be taken back through the frontier op (`shared_outputs._through`): one of
+    PyTorch's own (a custom autograd.Function's backward may not run on rows it was not given), with no tensor saved
+    through hooks (an activation checkpoint's recomputation may be read once: the op's own backward reads it)."""
+    if isinstance(node, BackwardCFunction):
+        return False
+    saved = [getattr(node, name) for name in dir(node) if name.startswith("_raw_saved_")]
+    saved = [s for entry in saved for s in (entry if isinstance(entry, (list, tuple)) else [entry])]
+    return all(getattr(s, "unpack_hook", None) is None for s in saved)
+
+
+def _elements_of(node: Node, leaf: Node) -> bool:
+    """Whether `node` computes its output from the parameter's (`leaf`, its AccumulateGrad) alone, through
+    `shared_outputs.ONE_INPUT_MAPS` (a slice `pos[:, :T]`, a view): no op on the way to the batch may bring in
+    anything else, the data among it (`p * x.mean()` with untracked data `x` reads every sample's: each sample's
+    loss would depend on the others', which no gradient shows)."""
+    for _ in range(MAX_DEPTH):
+        if node is leaf:
+            return True
+        tracked = [child for child, _ in node.next_functions if child is not None]
+        if node.name() not in ONE_INPUT_MAPS or len(tracked) != 1:
+            return False
+        node = tracked[0]
+    return False
+
+
+def _is_leaf(tensor: Tensor) -> bool:
+    return isinstance(tensor, Tensor) and tensor.is_leaf and tensor.requires_grad
+
+
+def parameters_of(shared: Mapping[Key, SharedOutput], index: int, trainable: Sequence[str], outputs: int) -> dict:
+    """Call `index`'s parameters counted at their frontiers, by name, with their per-sample gradients `[B, *shape]`
+    (`outputs`: the call's number of output edges; `trainable`: its site's parameter names)."""
+    return {
+        trainable[j - outputs]: output.per_sample
+        for (i, j), output in shared.items()
+        if i == index and output.parameter
+    }

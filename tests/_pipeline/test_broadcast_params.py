@@ -1,0 +1,199 @@
+"""Parameters that meet the batch by broadcast (layer scales, class tokens, position tables) held by modules without
+a rule: counted where they meet the batch, from the norm pass's own backward, with no re-run of the module; exact
+against the float64 oracle over sequences of steps, and left to the generic rule wherever that cannot be exact."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import flashdp
+from flashdp import FlashDPError
+from tests.steps import check_steps
+from tests.strategies import modes
+
+WIDTH = 4
+
+
+class ScaledBlock(nn.Module):
+    """A pre-norm block with two layer scales (BEiT, CaiT, ConvNeXt): `x + g1 * attn(ln(x))`, then the MLP's
+    output scaled by `g2` (on the right of the product: the other slot)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.mix, self.ln2, self.mlp = (nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH),
+                                                  nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH))  # fmt: skip
+        self.g1, self.g2 = nn.Parameter(torch.rand(WIDTH) + 0.5), nn.Parameter(torch.rand(WIDTH) + 0.5)
+
+    def forward(self, x):  # [B, T, d]
+        x = x + self.g1 * torch.tanh(self.mix(self.ln1(x)))
+        return x + self.mlp(self.ln2(x)) * self.g2
+
+
+class Tokens(nn.Module):
+    """ViT's embeddings: a class token expanded to every sample and a position table sliced to the tokens."""
+
+    def __init__(self, inputs: int = 3, positions: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(inputs, WIDTH)
+        self.cls = nn.Parameter(torch.randn(1, 1, WIDTH))
+        self.pos = nn.Parameter(torch.randn(1, positions, WIDTH))
+
+    def forward(self, x):  # [B, T, 3] -> [B, T + 1, d]
+        h = self.proj(x)
+        h = torch.cat([self.cls.expand(h.shape[0], -1, -1), h], 1)
+        return h + self.pos[:, : h.shape[1]]
+
+
+class Scaled(nn.Module):
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.tokens = Tokens()
+        self.blocks = nn.ModuleList(ScaledBlock() for _ in range(blocks))
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, x):
+        h = self.tokens(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h[:, 0] + h[:, 1:].mean(1))
+
+
+def _loss(model, x):
+    return model(x).square().sum(1)
+
+
+def _rows(x, i):
+    return x[i : i + 1]
+
+
+def _generic_runs(monkeypatch) -> list[str]:
+    """The modules the generic rule re-runs from here on."""
+    from flashdp.rules import generic
+
+    runs, original = [], generic._each_sample
+
+    def counted(call, *args):
+        runs.append(call.label)
+        return original(call, *args)
+
+    monkeypatch.setattr(generic, "_each_sample", counted)
+    return runs
+
+
+shapes = st.lists(st.tuples(st.integers(2, 5), st.integers(1, 5)), min_size=1, max_size=4)
+
+
+@given(steps=shapes, blocks=st.integers(1, 2), mode=modes)
+def test_layer_scales_class_tokens_and_position_tables_are_exact_over_steps(steps, blocks, mode):
+    """Every (B, T) sequence, T + 1 == B among them (where a frontier's dims cannot be told apart, `g * x` of `[d]`
+    and `[B, T + 1, d]`, the generic rule counts the parameter: exact either way)."""
+    torch.manual_seed(0)
+    batches = [torch.randn(b, t, 3, dtype=torch.float64) for b, t in steps]
+    check_steps(Scaled(blocks).double(), batches, _loss, _rows, [b for b, _ in steps], mode=mode, max_grad_norm=0.5)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_they_are_counted_without_re_running_their_modules(mode, monkeypatch):
+    runs = _generic_runs(monkeypatch)
+    torch.manual_seed(0)
+    batches = [torch.randn(4, t, 3, dtype=torch.float64) for t in (2, 4, 2)]  # (T + 1 == B: see above)
+    check_steps(Scaled(2).double(), batches, _loss, _rows, [4, 4, 4], mode=mode, max_grad_norm=0.5)
+    assert runs == []
+
+
+class Shift(nn.Module):
+    """`x * w + b`: a layer of raw parameters scaling and shifting the batch elementwise."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(width)), nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        return x * self.w + self.b
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_an_elementwise_layer_whose_output_an_inplace_relu_overwrites_is_exact(mode):
+    """(The generic rule refuses it: its re-run cannot be checked against an overwritten output. Autograd's graph
+    records the in-place op, and the parameters are counted from it.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), Shift(5), nn.ReLU(inplace=True), nn.Linear(5, 3)).double()
+    batches = [torch.randn(b, 5, dtype=torch.float64) for b in (4, 3, 4)]
+    check_steps(model, batches, lambda m, x: m(x).square().sum(1), _rows, [4, 3, 4], mode=mode, max_grad_norm=0.1)
+
+
+class DropPathBlock(nn.Module):
+    """A layer-scaled residual branch dropped per sample at random in training (BEiT's drop path): a random forward,
+    which the generic rule's re-run cannot reproduce (refused under it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.gamma, self.head = nn.Linear(WIDTH, WIDTH), nn.Parameter(torch.rand(WIDTH)), nn.Linear(WIDTH, 2)
+
+    def forward(self, x):  # [B, T, d]
+        keep = (torch.rand(x.shape[0], 1, 1, dtype=x.dtype) > 0.4).to(x.dtype) / 0.6
+        return self.head(x + keep * (self.gamma * torch.tanh(self.lin(x)))).sum(1)
+
+
+def test_a_random_forward_around_a_layer_scale_is_exact_against_its_own_graph():
+    """The oracle here is autograd on the same forward (the same random masks), one row of the loss at a time:
+    each row depends on its sample alone. (Three positions: at T == B the product's dims cannot be told apart, and
+    the generic rule, which counts the scale there, refuses the random forward.)"""
+    torch.manual_seed(0)
+    model = DropPathBlock().double()
+    norms = flashdp.PerSampleNorms(model)
+    for batch in (5, 2):
+        loss = model(torch.randn(batch, 3, WIDTH, dtype=torch.float64)).square().sum(1)
+        params = [p for p in model.parameters()]
+        expected = torch.stack(
+            [
+                torch.cat([g.flatten() for g in torch.autograd.grad(row, params, retain_graph=True)]).norm()
+                for row in loss
+            ]
+        )
+        torch.testing.assert_close(norms(loss).double(), expected, rtol=1e-6, atol=1e-9)
+    norms.detach()
+
+
+class ReadsTheData(nn.Module):
+    """A scale computed from the batch's statistics: `g * x.mean()` makes every sample's loss read every sample's
+    data. Not counted at the frontier (its path to the batch brings in another tensor): the generic rule's probe
+    refuses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g, self.head = nn.Parameter(torch.rand(WIDTH)), nn.Linear(WIDTH, 2)
+
+    def forward(self, x):  # [B, d], untracked data
+        return self.head(x * (self.g * x.mean()))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_scale_computed_from_the_batch_s_data_is_not_counted_at_its_frontier(mode):
+    model = ReadsTheData().double()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0, self_check=None)
+    with pytest.raises(FlashDPError):
+        engine.backward(model(torch.randn(4, WIDTH, dtype=torch.float64)).square().sum(1))
+    assert all(p.grad is None for p in model.parameters())
+    engine.detach()
+
+
+class TwiceCalled(nn.Module):
+    """One layer-scaled block called twice per forward: its parameters are counted by two calls, so neither
+    call's frontiers hold all of their gradient (the generic rule counts each call's part)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.head = ScaledBlock(), nn.Linear(WIDTH, 2)
+
+    def forward(self, x):
+        return self.head(self.block(self.block(x)).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_block_called_twice_is_exact(mode):
+    torch.manual_seed(0)
+    batches = [torch.randn(b, 3, WIDTH, dtype=torch.float64) for b in (3, 4)]
+    check_steps(TwiceCalled().double(), batches, _loss, _rows, [3, 4], mode=mode, max_grad_norm=0.5)

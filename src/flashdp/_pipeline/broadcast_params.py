@@ -11,9 +11,10 @@ gradient, `[B, *shape]`, for all samples at once (a product's backward is `grad 
 i there is sample i's is verified, with the shared outputs' frontiers, by the verifying pass (`frontier_rows`), on
 every new structure; where the frontiers sit is part of the structure (`learning.frontier_places`).
 
-A call's parameters are taken so only where every one its site counts is a leaf that this call alone counts and
-that has frontiers (a parameter used in a matrix product, or counted by two calls, leaves the whole call to the
-generic rule). They are keyed among the shared outputs as (call, `len(call.edges) + k`), k the parameter's index in
+A call's parameters are taken so only where every one its site counts is a leaf that this call alone counts, whose
+frontiers are additions, products or expands (taken back for all samples in one op), reached from the parameter
+through views, slices and elementwise maps of it alone (a parameter used in a matrix product, or counted by two
+calls, leaves the whole call to the generic rule). They are keyed among the shared outputs as (call, `len(call.edges) + k`), k the parameter's index in
 its site's `trainable`.
 """
 
@@ -23,7 +24,6 @@ from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 
 from torch import Tensor
-from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from flashdp._pipeline.loss_graph import LossGraph
@@ -78,11 +78,17 @@ def _frontiers(graph: LossGraph, edge: GradientEdge, batch: int) -> list[Frontie
     return found
 
 
+#: the frontier ops whose backward `shared_outputs._through` takes for all samples in one op (any other runs once
+#: per sample: B backwards of a matrix product, for a bias also added in a Linear, where one re-run of the module
+#: costs one)
+_ONE_OP_FRONTIERS = frozenset({"AddBackward0", "SubBackward0", "ExpandBackward0", "MulBackward0"})
+
+
 def _takes_back(node: Node) -> bool:
-    """Whether each sample's rows can be taken back through the frontier op (`shared_outputs._through`): one of
-    PyTorch's own (a custom autograd.Function's backward may not run on rows it was not given), with no tensor saved
-    through hooks (an activation checkpoint's recomputation may be read once: the op's own backward reads it)."""
-    if isinstance(node, BackwardCFunction):
+    """Whether each sample's rows are taken back through the frontier op in one op (`_ONE_OP_FRONTIERS`), with no
+    tensor saved through hooks (an activation checkpoint's recomputation may be read once: the op's own backward
+    reads it after)."""
+    if node.name() not in _ONE_OP_FRONTIERS:
         return False
     saved = [getattr(node, name) for name in dir(node) if name.startswith("_raw_saved_")]
     saved = [s for entry in saved for s in (entry if isinstance(entry, (list, tuple)) else [entry])]

@@ -29,7 +29,9 @@ from flashdp.errors import FlashDPError
 
 #: how far above a shared output its frontier may be (shape ops and the like in between)
 MAX_DEPTH = 16
-_ADDITIONS = {"AddBackward0": 1.0, "SubBackward0": -1.0}
+#: ops whose backward into each input is the output's gradient summed to the input's shape (times a sign): an
+#: addition, a subtraction, an expand
+_ADDITIONS = {"AddBackward0": 1.0, "SubBackward0": -1.0, "ExpandBackward0": 1.0}
 
 
 @dataclass(frozen=True)

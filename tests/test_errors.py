@@ -106,25 +106,29 @@ def test_loss_independent_of_the_model(engine):
 
 
 class Scale(nn.Module):
-    def __init__(self):
+    """`x * gain`, or `x @ gain` (`mixing`: a matrix)."""
+
+    def __init__(self, mixing: bool = False):
         super().__init__()
-        self.gain = nn.Parameter(torch.ones(3))
+        self.gain, self.mixing = nn.Parameter(torch.eye(3) if mixing else torch.ones(3)), mixing
 
     def forward(self, x):
-        return x * self.gain
+        return x @ self.gain if self.mixing else x * self.gain
 
 
-def test_a_module_without_a_rule_gets_the_generic_one_exactly():
+@pytest.mark.parametrize(("mixing", "strategy"), [(True, "generic"), (False, "broadcast")])
+def test_a_module_without_a_rule_gets_the_generic_one_exactly(mixing, strategy):
+    """A parameter scaling the batch elementwise is counted where it meets the batch, without the generic rule."""
     from tests.oracle import check_against_oracle
     from tests.strategies import per_sample_loss
 
-    model = nn.Sequential(nn.Linear(3, 3), Scale()).double()
+    model = nn.Sequential(nn.Linear(3, 3), Scale(mixing)).double()
     x = torch.randn(4, 5, 3, dtype=torch.float64)
     check_against_oracle(model, lambda s: per_sample_loss(model(x[s])), 4)
     model.zero_grad()
     with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=1.0) as engine:
         engine.backward(per_sample_loss(model(x)))
-        assert engine.strategies["1.gain"] == "generic"
+        assert engine.strategies["1.gain"] == strategy
 
 
 class OnlyWholeBatches(nn.Module):
@@ -132,12 +136,12 @@ class OnlyWholeBatches(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.gain = nn.Parameter(torch.ones(3))
+        self.gain = nn.Parameter(torch.eye(3))
 
     def forward(self, x):
         if x.dim() != 2 or x.shape[0] != 4:
             raise ValueError()
-        return x * self.gain
+        return x @ self.gain
 
 
 def test_a_module_the_generic_rule_cannot_run_per_sample_is_refused_naming_errors_without_a_message():

@@ -66,13 +66,15 @@ def test_profile_names_the_strategy_of_each_norm_once(capsys):
     """The generic rule is the fallback a slow model should be checked for: its parameters are named."""
 
     class WithRawParameter(nn.Module):
+        """`mix` multiplies the batch (the generic rule counts it); `offset` is added to it (counted there)."""
+
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(3, 3)
-            self.offset = nn.Parameter(torch.zeros(3))
+            self.mix, self.offset = nn.Parameter(torch.eye(3)), nn.Parameter(torch.zeros(3))
 
         def forward(self, x):
-            return self.lin(x) + self.offset
+            return self.lin(x) @ self.mix + self.offset
 
     engine, report = _two_profiled_steps(WithRawParameter(), torch.randn(4, 3), capsys)
     assert report.count("  norms: ") == 1  # unchanged on the second step
@@ -80,4 +82,4 @@ def test_profile_names_the_strategy_of_each_norm_once(capsys):
     assert counts == {
         strategy: str(list(engine.strategies.values()).count(strategy)) for strategy in engine.strategies.values()
     }
-    assert "generic 1 ('offset')" in report
+    assert "generic 2 ('mix', 'offset')" in report

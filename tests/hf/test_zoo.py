@@ -29,7 +29,8 @@ def test_model_is_exact(name, mode):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["vit", "gemma", "mamba", "deberta_v3", "peft_dora"])
 def test_removing_one_sample_moves_the_sum_by_at_most_c_with_the_generic_rule(name):
-    """The sensitivity audit on models that use the generic rule."""
+    """The sensitivity audit on models that use the generic rule (ViT: its class token and position table, counted
+    where they meet the batch now)."""
     case = ALL[name]()
     model = case.build().to(case.dtype).eval()
     c = 1e-3
@@ -41,7 +42,7 @@ def test_removing_one_sample_moves_the_sum_by_at_most_c_with_the_generic_rule(na
             return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad and p.grad is not None])
 
         full = clipped_sum(list(range(B)))
-        assert "generic" in engine.strategies.values()
+        assert {"generic", "broadcast"} & set(engine.strategies.values())
         for i in range(B):
             assert (full - clipped_sum([j for j in range(B) if j != i])).norm() <= c * (1 + 1e-6)
 

@@ -9,13 +9,16 @@ backward takes the gradient flowing into each op where the batch first appears a
 *frontiers*, on every path to the loss), row i taken back through that op alone to the parameter: sample i's
 gradient, `[B, *shape]`, for all samples at once (a product's backward is `grad * other` before its sum). That row
 i there is sample i's is verified, with the shared outputs' frontiers, by the verifying pass (`frontier_rows`), on
-every new structure; where the frontiers sit is part of the structure (`learning.frontier_places`).
+every new structure; where the frontiers sit is part of the structure (`learning.frontier_places`), and so are the
+ops moving rows by index above them (`routing`: rows sorted inside the module and put back before its output).
+Where the verifying pass finds those rows not to be the samples', the module's parameters go back to the generic
+rule (`Knowledge.unbroadcast`) and the pass is redone.
 
 A call's parameters are taken so only where every one its site counts is a leaf that this call alone counts, whose
 frontiers are additions, products or expands (taken back for all samples in one op), reached from the parameter
 through views, slices and elementwise maps of it alone (a parameter used in a matrix product, or counted by two
-calls, leaves the whole call to the generic rule). They are keyed among the shared outputs as (call, `len(call.edges) + k`), k the parameter's index in
-its site's `trainable`.
+calls, leaves the whole call to the generic rule). They are keyed among the shared outputs as (call,
+`len(call.edges) + k`), k the parameter's index in its site's `trainable`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from flashdp._pipeline.knowledge import Knowledge
 from flashdp._pipeline.loss_graph import LossGraph
 from flashdp._pipeline.params import attribute
 from flashdp._pipeline.plan import GradientPlan
@@ -35,19 +39,26 @@ from flashdp._pipeline.shared_outputs import MAX_DEPTH, ONE_INPUT_MAPS, Frontier
 Key = tuple[int, int]
 
 
-def broadcast_parameters(plan: GradientPlan, graph: LossGraph, calls: Sequence[Call]) -> dict[Key, SharedOutput]:
+def broadcast_parameters(known: Knowledge, graph: LossGraph, calls: Sequence[Call]) -> dict[Key, SharedOutput]:
     """(call, `len(call.edges) + k`) -> the k-th parameter of a generic site's call, counted at its frontiers, for
-    every call whose parameters all can be (see the module docstring); none on a batch of one."""
-    batch = graph.loss.shape[0]
+    every call whose parameters all can be (see the module docstring) and whose module's were not found elsewhere
+    (`Knowledge.unbroadcast`); none on a batch of one."""
+    batch, plan = graph.loss.shape[0], known.plan
     if batch < 2:
         return {}
     counted = Counter(plan.param_of[(id(c.module), name)].key for c in calls for name in plan.site(c.module).trainable)
     found: dict[Key, SharedOutput] = {}
     for index, call in enumerate(calls):
         site = plan.site(call.module)
-        if site.is_generic and site.trainable:
+        if site.is_generic and site.trainable and id(call.module) not in known.unbroadcast:
             found |= _call_parameters(plan, graph, call, index, counted) or {}
     return found
+
+
+def frontier_edges(known: Knowledge, graph: LossGraph, calls: Sequence[Call]) -> list[tuple[Node, int]]:
+    """(node, output_nr) of each frontier of the parameters `broadcast_parameters` takes: the routing above them is
+    part of what their rows rest on (rows sorted inside their module and put back before its output)."""
+    return [(f.node, f.output_nr) for p in broadcast_parameters(known, graph, calls).values() for f in p.frontiers]
 
 
 def _call_parameters(

@@ -46,7 +46,8 @@ class _Part:
     call_index: int
     grad: PerSampleGrad
     source: str
-    generic: bool
+    #: `ParamGradient.counted_by`
+    counted_by: str | None
 
 
 class NormCollector:
@@ -163,9 +164,9 @@ class NormCollector:
                 self._fingerprint(index, call, grads, dims)
             if any(isinstance(g, DeferredOuterGrad) for g in per_sample.values()):
                 per_sample = {name: _as_called_later(g, call.attributes) for name, g in per_sample.items()}
-            generic = site.is_generic and not set(site.trainable) <= set(self._broadcast(index, site, call))
+            by = _counted_by(site, set(self._broadcast(index, site, call)))
             for name, key in keys.items():
-                self._parts.setdefault(key, []).append(_Part(index, per_sample[name], site.label, generic))
+                self._parts.setdefault(key, []).append(_Part(index, per_sample[name], site.label, by))
                 self._first_call.setdefault(key, index)
         del call, grads
         for key in keys.values():
@@ -237,7 +238,7 @@ class NormCollector:
             param.name, param.shape, self.batch, self._strategy, self._users, sum_only=self._sums is not None
         )
         for part in sorted(parts, key=lambda p: p.call_index) if len(parts) > 1 else parts:
-            gradient.add(part.grad, part.source, generic=part.generic)
+            gradient.add(part.grad, part.source, counted_by=part.counted_by)
         if self._sums is not None:
             missed = torch.zeros((), dtype=torch.bool, device=param.param.device) if key in self._missed else None
             self._sums(param, gradient, self._all_matched(parts) if missed is None else missed)
@@ -342,6 +343,14 @@ def _as_called_later(grad: PerSampleGrad, attributes: tuple) -> PerSampleGrad:
 
     routines = ("factors", "dense", "weighted_sum", "parts_norm")
     return replace(grad, **{name: under(getattr(grad, name)) for name in routines})
+
+
+def _counted_by(site: Site, broadcast: set[str]) -> str | None:
+    """`ParamGradient.counted_by` for a call of `site` whose parameters `broadcast` were taken where they meet the
+    batch."""
+    if not site.is_generic:
+        return None
+    return "broadcast" if set(site.trainable) <= broadcast else "generic"
 
 
 def _split_output_nodes(

@@ -27,20 +27,22 @@ _SEED_BASE = 1 << 24
 class FrontierRows:
     """The frontiers of a verifying pass's shared outputs, their sketches, and the calls whose frontier failed."""
 
-    #: (node, output_nr) of each frontier -> the indices of the calls whose shared output it is the frontier of
-    frontiers: dict[tuple[Node, int], set[int]]
+    #: (node, output_nr) of each frontier -> (call index, whether a parameter's) of the shared outputs and the
+    #: parameters (`broadcast_params`) it is the frontier of
+    frontiers: dict[tuple[Node, int], set[tuple[int, bool]]]
     batch: int
     #: the edges of the parameters among them (`broadcast_params`): autograd runs their frontiers only when asked
     reach: list[GradientEdge] = field(default_factory=list)
     sketches: dict[tuple[Node, int], self_check.RowSketch] = field(default_factory=dict)
-    failing: set[int] = field(default_factory=set)
+    #: (call index, whether a parameter's) of the frontiers that failed
+    failing: set[tuple[int, bool]] = field(default_factory=set)
 
     @staticmethod
     def of(shared: Mapping[tuple[int, int], SharedOutput], batch: int) -> FrontierRows:
-        frontiers: dict[tuple[Node, int], set[int]] = {}
+        frontiers: dict[tuple[Node, int], set[tuple[int, bool]]] = {}
         for (call, _), output in shared.items():
             for frontier in output.frontiers:
-                frontiers.setdefault((frontier.node, frontier.output_nr), set()).add(call)
+                frontiers.setdefault((frontier.node, frontier.output_nr), set()).add((call, output.parameter))
         return FrontierRows(frontiers, batch, [output.edge for output in shared.values() if output.parameter])
 
     @contextlib.contextmanager
@@ -85,6 +87,10 @@ class FrontierRows:
         finally:
             for handle in handles:
                 handle.remove()
+
+    def failing_calls(self, parameters: bool) -> list[int]:
+        """The calls with a failing frontier of a shared output (or of a parameter, `parameters`)."""
+        return sorted({call for call, parameter in self.failing if parameter is parameters})
 
     def error(self, labels: list[str]) -> FlashDPError:
         """The refusal of shared outputs (of the layers `labels`) whose frontier rows are not the samples."""

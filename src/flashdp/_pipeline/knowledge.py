@@ -50,6 +50,10 @@ class Knowledge:
     shared_sites: frozenset[int] = frozenset()
     #: modules whose outputs' rows were found not to be samples by the verifying pass, although their number is B
     not_batch_first: frozenset[int] = frozenset()
+    #: modules a parameter of which was taken to meet the batch where the verifying pass found the rows not to be
+    #: the samples' (a scale of a table `[T, d]` with T == B, rows sorted inside the module): the generic rule
+    #: counts their parameters from then on (`broadcast_params`)
+    unbroadcast: frozenset[int] = frozenset()
     #: forward structures covered under this plan and verified on a batch of more than one (or, under a wrapper
     #: that cannot verify, whose sizes decided the layout alone); a batch of one verifies nothing
     verified: frozenset[Structure] = field(default_factory=frozenset)
@@ -74,6 +78,9 @@ class Knowledge:
     def sharing(self, modules: Iterable[int]) -> Knowledge:
         added = frozenset(modules) - self.shared_sites
         return replace(self, shared_sites=self.shared_sites | added) if added else self
+
+    def not_broadcast(self, modules: Iterable[int]) -> Knowledge:
+        return replace(self, unbroadcast=self.unbroadcast | frozenset(modules))
 
     def not_batch_first_too(self, modules: Iterable[int]) -> Knowledge:
         return replace(self, not_batch_first=self.not_batch_first | frozenset(modules))

@@ -129,7 +129,7 @@ def shared(
     readers = sample_readers(known, calls, set(found), batch, by_chance)
     found = {key: output for key, output in found.items() if key not in readers}
     known = known.sharing(id(calls[i].module) for i, _ in found)
-    return found | broadcast_parameters(known.plan, graph, calls), known
+    return found | broadcast_parameters(known, graph, calls), known
 
 
 def frontier_places(known: Knowledge, graph: LossGraph, calls: list[Call]) -> tuple:
@@ -142,7 +142,7 @@ def frontier_places(known: Knowledge, graph: LossGraph, calls: list[Call]) -> tu
         return ()
     found = _frontiers(graph, calls, _shared_candidates(known, calls, batch)[0], batch).items()
     groups = [(calls[c].edges[j], *(frontiers or ())) for (c, j), (_, frontiers) in found]
-    groups += [(p.edge, *p.frontiers) for p in broadcast_parameters(known.plan, graph, calls).values()]
+    groups += [(p.edge, *p.frontiers) for p in broadcast_parameters(known, graph, calls).values()]
     return tuple(sorted(graph.places(groups), key=repr))
 
 

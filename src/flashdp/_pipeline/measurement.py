@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flashdp._pipeline import aliasing, clipping, learning, nonfinite, routing, self_check
+from flashdp._pipeline.broadcast_params import frontier_edges
 from flashdp._pipeline.clipped_sums import Keeps, Norms, SumSink
 from flashdp._pipeline.collector import NormCollector, no_trainable_layer_error
 from flashdp._pipeline.frontier_rows import FrontierRows
@@ -156,13 +157,13 @@ def measure(
     checking = known.self_check.due(index)
     if checking:
         known = known.self_checked(index)
-    routed = routing.of(graph, known.plan, calls, known.shared_sites) if batch > 1 else routing.NONE
+    routed = _routing(known, graph, calls) if batch > 1 else routing.NONE
     new_structure = _new_structure(parts, known, graph, calls, checking, (shapes, placed, routed))
     if checking or new_structure:
         plan = known.plan
         known, checking, refusal = _cover(parts, known, graph, calls, checking, refusal)
         if known.plan is not plan and batch > 1:  # (other rule sites: the routing above them)
-            routed = routing.of(graph, known.plan, calls, known.shared_sites)
+            routed = _routing(known, graph, calls)
     verify = (checking or new_structure) and parts.adapter.allows_second_pass
     verify &= batch > 1 or parts.adapter.world_size > 1  # (FSDP collectives: every rank runs the passes)
     unverifiable = _unverifiable(
@@ -182,6 +183,11 @@ def measure(
     if batch > 1 and verified.decided and (verify or new_structure):  # (the frontiers of what the pass took shared)
         known = _verified(known, shapes, graph, (placed[0], done.frontiers), verified.routed)
     return measurement, known
+
+
+def _routing(known: Knowledge, graph: LossGraph, calls: list[Call]) -> routing.Routing:
+    """`routing.of` the calls, and of the frontiers of the parameters counted where they meet the batch."""
+    return routing.of(graph, known.plan, calls, known.shared_sites, frontier_edges(known, graph, calls))
 
 
 def _placed(known: Knowledge, graph: LossGraph, calls: list[Call]) -> tuple:
@@ -337,7 +343,7 @@ def _verifying_pass(
     rule_calls, aliased = _rule_calls(known.plan, calls)
     shared, known = learning.shared(known, graph, rule_calls)
     if batch > 1:
-        routed = routing.of(graph, known.plan, rule_calls, known.shared_sites)
+        routed = _routing(known, graph, rule_calls)
     dims = [dims_of(known.plan, c) for c in rule_calls]
     others = [other_readings(known.plan, c, batch) for c in rule_calls]
     verifying = Verifying(rule_calls, dims, set(shared), batch, others, after_learning, widest)
@@ -377,10 +383,14 @@ def _verdict(
             verifying.other_layouts, verifying.widest, verifying.frontier_rows,
         )  # fmt: skip
         failing = sorted({*failing, *verifying.without_batch})
-    if verifying.frontier_rows and verifying.frontier_rows.failing:
-        labels = [known.plan.site(calls[i].module).label for i in sorted(verifying.frontier_rows.failing)]
-        verifying.errors.insert(0, verifying.frontier_rows.error(labels))
+    rows = verifying.frontier_rows
+    if rows and rows.failing_calls(parameters=False):
+        labels = [known.plan.site(calls[i].module).label for i in rows.failing_calls(parameters=False)]
+        verifying.errors.insert(0, rows.error(labels))
     found, learnt = learning.explain_failures(known, graph, calls, failing) if failing else (Found.VERIFIED, known)
+    if rows and rows.failing_calls(parameters=True):  # (their generic rule counts them: the pass is redone)
+        learnt = learnt.not_broadcast(id(calls[i].module) for i in rows.failing_calls(parameters=True))
+        found = max(found, Found.RELEARNT)
     if found is Found.VERIFIED:  # (outputs a later op broadcasts over the batch, passing as per-sample rows)
         broadcast = learning.calls_broadcast_though_fitting(known, graph, calls)
         verifying.passing_elsewhere = sorted({*verifying.passing_elsewhere, *broadcast})

@@ -193,7 +193,9 @@ class ParamGradient:
         self.strategy_choice = strategy
         self.per_sample: Tensor | None = None  # [B, *shape], from rules that materialise
         self.blocks: list[OuterGrad] = []
-        self.generic = False  # counted by the generic rule (shown as the strategy)
+        #: "generic" (the generic rule's re-run) or "broadcast" (taken where it meets the batch: `broadcast_params`),
+        #: shown as the strategy; None for a registered rule
+        self.counted_by: str | None = None
         self.dense_direct = False  # a rule's deferred factors were materialised by its cheaper routine
         self._bfloat16_layers: list[bool] = []  # per dense contribution: whether a bfloat16 layer's
         #: per dense contribution: its parts' norm and their number (`DeferredOuterGrad.parts_norm`, `positions`),
@@ -220,8 +222,8 @@ class ParamGradient:
             gradient.add(call, "a kept plan")
         return gradient
 
-    def add(self, grad: PerSampleGrad, source: str, generic: bool = False) -> None:
-        self.generic |= generic
+    def add(self, grad: PerSampleGrad, source: str, counted_by: str | None = None) -> None:
+        self.counted_by = self.counted_by or counted_by
         bfloat16 = False  # whether a dense contribution is a bfloat16 layer's (kept in bfloat16 by bk)
         deferred = grad if isinstance(grad, DeferredOuterGrad) else None
         parts = None if deferred is None or deferred.parts_norm is None else (deferred.parts_norm, deferred.positions)
@@ -459,7 +461,7 @@ class ParamGradient:
         return outer_products.norm_strategy(positions, p, d)
 
     def _per_sample_strategy(self) -> str:
-        return "generic" if self.generic else "direct" if self.dense_direct else "per-sample"
+        return self.counted_by or ("direct" if self.dense_direct else "per-sample")
 
 
 def parts_norm(block: OuterGrad, dtype: torch.dtype) -> Tensor:
@@ -547,7 +549,7 @@ def norms_together(gradients: Sequence[ParamGradient], keep_for_sum: bool) -> li
     if len(gradients) == 1:
         return [first.norm_sq(keep_for_sum)]
     stacked = ParamGradient(first.name, first.shape, first.batch_size * len(gradients), first.strategy_choice)
-    stacked.generic, stacked.dense_direct = first.generic, first.dense_direct
+    stacked.counted_by, stacked.dense_direct = first.counted_by, first.dense_direct
     if first.per_sample is not None:
         stacked.per_sample = torch.cat([g.per_sample for g in gradients])
         stacked._bfloat16_layers = first._bfloat16_layers

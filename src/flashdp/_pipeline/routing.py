@@ -135,11 +135,19 @@ _ALONG_DIM = {"IndexSelectBackward0", "GatherBackward0", "SortBackward0", "SortB
 _RESHAPES = {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"}
 
 
-def of(graph: LossGraph, plan: GradientPlan, calls: Iterable[Call], shared_sites: Collection[int] = ()) -> Routing:
+def of(
+    graph: LossGraph,
+    plan: GradientPlan,
+    calls: Iterable[Call],
+    shared_sites: Collection[int] = (),
+    frontiers: Iterable[tuple[Node, int]] = (),
+) -> Routing:
     """The routing above the outputs of the rule sites' calls among `calls` (read before the norm pass frees the
-    graph's saved tensors); `shared_sites`: the ids of the modules known to share their outputs across the batch."""
+    graph's saved tensors), and above `frontiers` (node, output_nr: where parameters counted there meet the batch,
+    inside their module's call: `broadcast_params`); `shared_sites`: the ids of the modules known to share their
+    outputs across the batch."""
     calls = list(calls)
-    edges = {(e.node, e.output_nr) for c in calls if plan.site(c.module).match for e in c.edges}
+    edges = {(e.node, e.output_nr) for c in calls if plan.site(c.module).match for e in c.edges} | set(frontiers)
     above = graph.above(edges)
     moving = [(n, kind) for n in (graph.loss.grad_fn, *graph.parents) if (kind := type(n).__name__) in MOVES]
     moving = [(n, kind) for n, kind in moving if n in above]

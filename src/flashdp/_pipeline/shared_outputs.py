@@ -108,6 +108,8 @@ def outside_frontiers(
         for consumer, _ in consumers:
             carrying = [j for j, m in enumerate(consumer._input_metadata) if _introduces_batch(ours, m.shape, batch)]
             slots = tuple(s for s, child in enumerate(consumer.next_functions) if child == (node, output_nr))
+            if len(carrying) > 1:
+                return None  # (an op of several outputs with the batch: each sample's part is taken through one)
             if carrying and _broadcasts(consumer, slots, consumer._input_metadata[carrying[0]].shape, batch, shared):
                 if consumer not in inside:
                     found.append(Frontier(consumer, carrying[0], slots, (node, output_nr)))

@@ -130,10 +130,8 @@ class DPEngine:
 
     @property
     def strategies(self) -> dict[str, str]:
-        """Per trainable parameter reached in the last backward, how its norm was computed (e.g. "ghost",
-        "direct", "direct+tokens", "per-sample"; "broadcast" where taken where it meets the batch, a layer scale;
-        "generic" where the generic rule re-ran its module): what to look at when a layer is slow. Also in the
-        profile."""
+        """Per trainable parameter reached in the last backward, how its norm was computed ("ghost", "direct",
+        "per-sample", "broadcast", "generic"...): what to look at when a layer is slow. Also in the profile."""
         return dict(self._parts.strategies)
 
     # -- clipping -----------------------------------------------------------------------------------------

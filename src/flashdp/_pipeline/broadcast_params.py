@@ -12,7 +12,9 @@ i there is sample i's is verified, with the shared outputs' frontiers, by the ve
 every new structure; where the frontiers sit is part of the structure (`learning.frontier_places`), and so are the
 ops moving rows by index above them (`routing`: rows sorted inside the module and put back before its output).
 Where the verifying pass finds those rows not to be the samples', the module's parameters go back to the generic
-rule (`Knowledge.unbroadcast`) and the pass is redone.
+rule (`Knowledge.unbroadcast`) and the pass is redone. What the routing does not see between the frontier and the
+module's output (rows moved by values from the data, docs/assumptions.md) is then trusted as for a layer's rows:
+the generic rule, re-running the module, did not depend on it.
 
 A call's parameters are taken so only where every one its site counts is a leaf that this call alone counts, whose
 frontiers are additions, products or expands (taken back for all samples in one op), reached from the parameter

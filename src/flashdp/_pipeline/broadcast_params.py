@@ -46,13 +46,14 @@ def broadcast_parameters(known: Knowledge, graph: LossGraph, calls: Sequence[Cal
     every call whose parameters all can be (see the module docstring) and whose module's were not found elsewhere
     (`Knowledge.unbroadcast`); none on a batch of one."""
     batch, plan = graph.loss.shape[0], known.plan
-    if batch < 2:
+    generic = [i for i, c in enumerate(calls) if plan.site(c.module).is_generic] if batch > 1 else []
+    if not generic:
         return {}
     counted = Counter(plan.param_of[(id(c.module), name)].key for c in calls for name in plan.site(c.module).trainable)
     found: dict[Key, SharedOutput] = {}
-    for index, call in enumerate(calls):
-        site = plan.site(call.module)
-        if site.is_generic and site.trainable and id(call.module) not in known.unbroadcast:
+    for index in generic:
+        call = calls[index]
+        if plan.site(call.module).trainable and id(call.module) not in known.unbroadcast:
             found |= _call_parameters(plan, graph, call, index, counted) or {}
     return found
 

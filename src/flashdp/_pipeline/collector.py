@@ -164,7 +164,7 @@ class NormCollector:
                 self._fingerprint(index, call, grads, dims)
             if any(isinstance(g, DeferredOuterGrad) for g in per_sample.values()):
                 per_sample = {name: _as_called_later(g, call.attributes) for name, g in per_sample.items()}
-            by = _counted_by(site, set(self._broadcast(index, site, call)))
+            by = self._counted_by(index, site, call)
             for name, key in keys.items():
                 self._parts.setdefault(key, []).append(_Part(index, per_sample[name], site.label, by))
                 self._first_call.setdefault(key, index)
@@ -222,6 +222,12 @@ class NormCollector:
         inputs = self._shared_inputs(call) if site.match.rule.per_call else frozenset()
         sharing = Sharing(self._shared_per_sample(index), inputs, self._broadcast(index, site, call))
         return per_sample_gradients(site, call, grads, self.batch, sharing, dims)
+
+    def _counted_by(self, index: int, site: Site, call: Call) -> str | None:
+        """`ParamGradient.counted_by` of call `index`'s parameters."""
+        if not site.is_generic:
+            return None
+        return "broadcast" if set(site.trainable) <= set(self._broadcast(index, site, call)) else "generic"
 
     def _broadcast(self, index: int, site: Site, call: Call) -> dict[str, Tensor | None]:
         """Call `index`'s parameters counted where they meet the batch (`broadcast_params`), by name."""
@@ -343,14 +349,6 @@ def _as_called_later(grad: PerSampleGrad, attributes: tuple) -> PerSampleGrad:
 
     routines = ("factors", "dense", "weighted_sum", "parts_norm")
     return replace(grad, **{name: under(getattr(grad, name)) for name in routines})
-
-
-def _counted_by(site: Site, broadcast: set[str]) -> str | None:
-    """`ParamGradient.counted_by` for a call of `site` whose parameters `broadcast` were taken where they meet the
-    batch."""
-    if not site.is_generic:
-        return None
-    return "broadcast" if set(site.trainable) <= broadcast else "generic"
 
 
 def _split_output_nodes(

@@ -225,7 +225,7 @@ def _run_rule(
     """The site's rule on one call. An output shared across the batch brings its per-sample gradient
     `[B, *shape]`; a simple rule then sees B copies of the call's inputs."""
     rule, shared = site.match.rule, sharing.outputs
-    if site.trainable and set(site.trainable) <= set(sharing.params):
+    if sharing.params and set(site.trainable) <= set(sharing.params):
         return {name: _captured(sharing.params[name], call, name, batch) for name in site.trainable}
     rows = _rows_per_sample(call, dims, batch, shared)
     if not rule.per_call:

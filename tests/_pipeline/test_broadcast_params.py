@@ -217,11 +217,13 @@ class SortedScale(nn.Module):
 
 
 class Keyed(nn.Module):
-    def __init__(self, scale: nn.Module, outside: bool = False) -> None:
+    def __init__(self, scale: nn.Module, outside: bool = False, inputs: int | None = None) -> None:
         super().__init__()
         self.scale, self.head, self.outside = scale, nn.Linear(WIDTH, 2), outside
+        self.first = nn.Identity() if inputs is None else nn.Linear(inputs, WIDTH)
 
     def forward(self, x, key):
+        x = self.first(x)
         if self.outside:  # the rows sorted before the module, put back after it
             order = key.argsort()
             return self.head(self.scale(x[order])[order.argsort()])
@@ -297,3 +299,31 @@ def test_a_parameter_meeting_the_batch_in_an_op_of_two_batch_outputs_is_exact(mo
     torch.manual_seed(0)
     batches = [torch.randn(b, 3, 3, dtype=torch.float64) for b in (3, 4)]
     check_steps(Solve().double(), batches, lambda m, x: m(x), _rows, [3, 4], mode=mode, max_grad_norm=0.5)
+
+
+class OneHotSortedScale(nn.Module):
+    """`SortedScale` with the rows moved by a one-hot matrix from the data, multiplied and summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.rand(WIDTH) + 0.5)
+
+    def forward(self, x, key):
+        moves = nn.functional.one_hot(key.argsort(), x.shape[0]).to(x.dtype)  # [B, B]
+        scaled = (moves[:, :, None] * x[None]).sum(1) * self.g
+        return (moves.t()[:, :, None] * scaled[None]).sum(1)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_scale_sent_back_to_the_generic_rule_learns_no_layout(mode):
+    """(A breaker's false refusal: after the frontier's rows failed and the pass was redone under the generic rule,
+    the redone pass counted as one after layout learning, and a Linear whose rows read as samples in two dims was
+    refused, on every step.)"""
+    torch.manual_seed(0)
+    keys = [torch.tensor([3.0, 1.0, 0.0, 2.0]), torch.tensor([2.0, 0.0, 3.0, 1.0]), torch.arange(4.0)]
+    batches = [(torch.randn(4, 3, dtype=torch.float64), key) for key in keys]
+    model = Keyed(OneHotSortedScale(), inputs=3).double()  # (a Linear's rows broadcast in the one-hot product)
+    check_steps(
+        model, batches, lambda m, b: m(*b).square().sum(1), lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]),
+        [4, 4, 4], mode=mode, max_grad_norm=0.5,
+    )  # fmt: skip

@@ -123,6 +123,8 @@ class _Finding:
 
     known: Knowledge
     cover_again: bool
+    #: whether a layout was learnt (not only parameters sent back to the generic rule: `Knowledge.unbroadcast`)
+    layout: bool = True
 
 
 def measure(
@@ -312,11 +314,13 @@ def _verify(
     batch-first is covered again, which may make the self-check due): the verified pass, and whether the
     self-check is due. `routing_and_widest`: the routing above the calls, and the most units any rank has."""
     routed, widest = routing_and_widest
-    for attempt in range(3 * len(calls) + 2):  # each finding teaches something new about one of the calls
-        outcome = _verifying_pass(parts, known, graph, calls, (routed, widest), keeps, after_learning=attempt > 0)
+    learnt = False  # (a layout learnt on this backward: see `Verifying.undecidable`)
+    for _ in range(3 * len(calls) + 2):  # each finding teaches something new about one of the calls
+        outcome = _verifying_pass(parts, known, graph, calls, (routed, widest), keeps, after_learning=learnt)
         known = outcome.known
         if isinstance(outcome, _Verified):
             return outcome, checking
+        learnt |= outcome.layout
         if outcome.cover_again:
             known, checking, refusal = _cover(parts, known, graph, calls, checking)
             checking, refused = map(bool, parts.on_any_rank([checking, refusal is not None], graph.loss.device))
@@ -364,17 +368,17 @@ def _verifying_pass(
             stream_output_gradients(
                 graph, list(rule_calls), verifying.keep, held=(), retain_graph=True, reach=verifying.frontier_rows.reach
             )
-    found, known = _verdict(parts, known, graph, verifying, calls)
+    found, known, layout = _verdict(parts, known, graph, verifying, calls)
     if found is Found.VERIFIED:
         return _Verified(known, verifying.decided(), routed, done)
-    return _Finding(known, cover_again=found is Found.NOT_BATCH_FIRST)
+    return _Finding(known, cover_again=found is Found.NOT_BATCH_FIRST, layout=layout)
 
 
 def _verdict(
     parts: Parts, known: Knowledge, graph: LossGraph, verifying: Verifying, recorded: list[Call]
-) -> tuple[Found, Knowledge]:
+) -> tuple[Found, Knowledge, bool]:
     """What the verifying pass found, agreed by every rank (the highest any of them found), with what explains a
-    failure; raises where nothing does."""
+    failure, and whether that is a layout (`_Finding.layout`); raises where nothing does."""
     loss, calls = graph.loss, verifying.calls
     rtol = self_check.tolerance([loss.dtype, *(m.dtype for c in calls for m in c.output_meta)], _in_tf32(graph))
     with torch.no_grad(), parts.adapter.norm_pass(), parts.timer.phase("checks"), releasing_packed_inputs(recorded):
@@ -388,6 +392,7 @@ def _verdict(
         labels = [known.plan.site(calls[i].module).label for i in rows.failing_calls(parameters=False)]
         verifying.errors.insert(0, rows.error(labels))
     found, learnt = learning.explain_failures(known, graph, calls, failing) if failing else (Found.VERIFIED, known)
+    layout = found is not Found.VERIFIED
     if rows and rows.failing_calls(parameters=True):  # (their generic rule counts them: the pass is redone)
         learnt = learnt.not_broadcast(id(calls[i].module) for i in rows.failing_calls(parameters=True))
         found = max(found, Found.RELEARNT)
@@ -402,7 +407,7 @@ def _verdict(
     agreed = Found(max(parts.on_any_rank([found], loss.device)))
     if agreed is Found.REFUSED:
         raise refusal(known.plan, calls, failing, verifying.errors, refused_here=found is agreed)
-    return agreed, learnt
+    return agreed, learnt, layout
 
 
 def _unit_gradients(

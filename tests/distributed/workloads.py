@@ -219,6 +219,34 @@ def wrap(model: nn.Module, wrapper: str) -> nn.Module:
     return fully_shard(model, **options)
 
 
+class TanhScale(nn.Module):
+    """`tanh(x) * g + b`: raw parameters meeting the batch by broadcast (counted where they meet it)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.g, self.b = nn.Parameter(torch.rand(width) + 0.5), nn.Parameter(torch.randn(width) / 4)
+
+    def forward(self, x):
+        return torch.tanh(x) * self.g + self.b
+
+
+def build_scaled_model() -> nn.Module:
+    """build_model with its Tanh a `TanhScale` (the same indices for `wrap`: its parameters in the root's unit)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(12, 6), nn.LayerNorm(6), nn.Linear(6, 10), TanhScale(10), nn.Linear(10, 11))
+
+
+def rank_with_a_layer_scale(rank: int, wrapper: str, mode: str) -> dict:
+    model = build_scaled_model()
+    wrapped = wrap(model, wrapper)
+    engine = private(wrapped, mode)
+    norms = engine.backward(per_sample_loss(wrapped, global_batch()[rank * 4 : rank * 4 + 4]))
+    strategies = dict(engine.strategies)
+    engine.step()
+    engine.detach()
+    return {"norms": norms, "params": full_params(wrapped), "strategies": strategies}
+
+
 def rank_run(rank: int, wrapper: str, mode: str, noise: float, seed):
     model = build_model()
     ids = global_batch()[rank * 4 : rank * 4 + 4]

@@ -327,3 +327,40 @@ def test_a_scale_sent_back_to_the_generic_rule_learns_no_layout(mode):
         model, batches, lambda m, b: m(*b).square().sum(1), lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]),
         [4, 4, 4], mode=mode, max_grad_norm=0.5,
     )  # fmt: skip
+
+
+class ChannelsFirstNorm(nn.Module):
+    """ConvNeXt's channels-first LayerNorm: `F.layer_norm` over the channels of `[B, C, H, W]`, permuted."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.rand(channels) + 0.5), nn.Parameter(torch.randn(channels))
+
+    def forward(self, x):
+        normed = nn.functional.layer_norm(x.permute(0, 2, 3, 1), self.weight.shape, self.weight, self.bias)
+        return normed.permute(0, 3, 1, 2)
+
+
+def _convnet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, WIDTH, 3, padding=1), ChannelsFirstNorm(WIDTH), nn.GELU(), nn.Conv2d(WIDTH, 3, 1),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 2),
+    )  # fmt: skip
+
+
+@given(steps=st.lists(st.tuples(st.integers(2, 5), st.integers(1, 4)), min_size=1, max_size=3), mode=modes)
+def test_a_layer_norm_over_channels_is_counted_where_it_meets_the_batch(steps, mode):
+    torch.manual_seed(0)
+    batches = [torch.randn(b, 2, side, side + 1, dtype=torch.float64) for b, side in steps]
+    loss = lambda m, x: m(x).square().sum(1)  # noqa: E731
+    check_steps(_convnet().double(), batches, loss, _rows, [b for b, _ in steps], mode=mode, max_grad_norm=0.5)
+
+
+def test_a_layer_norm_over_channels_runs_no_generic_rule(monkeypatch):
+    runs = _generic_runs(monkeypatch)
+    torch.manual_seed(0)
+    model = _convnet().double()
+    with flashdp.make_private(model, max_grad_norm=1.0, noise_multiplier=0.0) as engine:
+        engine.backward(model(torch.randn(4, 2, 3, 3, dtype=torch.float64)).square().sum(1))
+        assert engine.strategies["1.weight"] == "broadcast"
+    assert runs == []

@@ -17,7 +17,8 @@ module's output (rows moved by values from the data, docs/assumptions.md) is the
 the generic rule, re-running the module, did not depend on it.
 
 A call's parameters are taken so only where every one its site counts is a leaf that this call alone counts, whose
-frontiers are additions, products or expands (taken back for all samples in one op), reached from the parameter
+frontiers are additions, products, expands or a layer norm's affine (`F.layer_norm` in a module of its own, such
+as ConvNeXt's channels-first norm: taken back for all samples in one op), reached from the parameter
 through views, slices and elementwise maps of it alone (a parameter used in a matrix product, or counted by two
 calls, leaves the whole call to the generic rule). They are keyed among the shared outputs as (call,
 `len(call.edges) + k`), k the parameter's index in its site's `trainable`.
@@ -95,7 +96,9 @@ def _frontiers(graph: LossGraph, edge: GradientEdge, batch: int) -> list[Frontie
 #: the frontier ops whose backward `shared_outputs._through` takes for all samples in one op (any other runs once
 #: per sample: B backwards of a matrix product, for a bias also added in a Linear, where one re-run of the module
 #: costs one)
-_ONE_OP_FRONTIERS = frozenset({"AddBackward0", "SubBackward0", "ExpandBackward0", "MulBackward0"})
+_ONE_OP_FRONTIERS = frozenset(
+    {"AddBackward0", "SubBackward0", "ExpandBackward0", "MulBackward0", "NativeLayerNormBackward0"}
+)
 
 
 def _takes_back(node: Node) -> bool:

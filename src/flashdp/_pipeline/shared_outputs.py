@@ -348,9 +348,9 @@ def _through(frontier: Frontier, grad_outputs: tuple, output: SharedOutput, batc
         alpha = float(getattr(node, "_saved_alpha", 1.0))
         scale = sum(1.0 if slot == 0 else sign * alpha for slot in frontier.slots)
         at_child = scale * _sum_to(grad, child_shape, batch)
-    else:  # a product: each sample's rows times the other factor's; any other op: its backward on them alone
+    else:  # a product, a layer norm's affine: in one op; any other op: its backward on each sample's rows alone
         try:
-            product = _times_other_factor(frontier, grad)
+            product = _rows_in_one_op(frontier, grad)
             at_child = (
                 _sum_to(product, child_shape, batch)
                 if product is not None
@@ -368,18 +368,28 @@ def _through(frontier: Frontier, grad_outputs: tuple, output: SharedOutput, batc
     return per_sample.reshape(batch, *output.shape)
 
 
-def _times_other_factor(frontier: Frontier, grad: Tensor) -> Tensor | None:
-    """`grad * b` `[B, ...]` for a frontier `a * b` with the shared tensor `a` on one side only (its backward
-    before the sum to a's shape, for all samples in one op instead of B runs of the node); None for any other op,
-    or where `b` is saved through hooks (an activation checkpoint's recomputation may be unpacked once: the node's
-    own backward reads it after this)."""
-    node = frontier.node
-    if node.name() != "MulBackward0" or len(frontier.slots) != 1 or grad.is_complex():
+def _rows_in_one_op(frontier: Frontier, grad: Tensor) -> Tensor | None:
+    """The frontier op's backward into its shared side before the sum to its shape, `[B, ...]`, for all samples in
+    one op instead of B runs of the node: `grad * b` for a product `a * b` with the shared `a` on one side; for a
+    layer norm's weight `grad * x_hat` (the normalised input, from the mean and 1 / std it saved), for its bias
+    `grad`. None for any other op, or where what it needs is saved through hooks (an activation checkpoint's
+    recomputation may be unpacked once: the node's own backward reads it after this)."""
+    node, name = frontier.node, frontier.node.name()
+    if len(frontier.slots) != 1 or grad.is_complex():
         return None
-    name = "other" if frontier.slots[0] == 0 else "self"
-    if getattr(node, f"_raw_saved_{name}").unpack_hook is not None:
-        return None
-    return grad * getattr(node, f"_saved_{name}")
+    slot = frontier.slots[0]
+    if name == "MulBackward0":
+        saved = "other" if slot == 0 else "self"
+        return None if _through_hooks(node, saved) else grad * getattr(node, f"_saved_{saved}")
+    if name == "NativeLayerNormBackward0" and slot == 2:
+        return grad
+    if name == "NativeLayerNormBackward0" and slot == 1 and not _through_hooks(node, "input", "result1", "result2"):
+        return grad * ((node._saved_input - node._saved_result1) * node._saved_result2)
+    return None
+
+
+def _through_hooks(node: Node, *saved: str) -> bool:
+    return any(getattr(node, f"_raw_saved_{name}").unpack_hook is not None for name in saved)
 
 
 def _local_backward(frontier: Frontier, grad_outputs: tuple, sample: int) -> Tensor:

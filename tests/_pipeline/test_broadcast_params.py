@@ -2,6 +2,8 @@
 a rule: counted where they meet the batch, from the norm pass's own backward, with no re-run of the module; exact
 against the float64 oracle over sequences of steps, and left to the generic rule wherever that cannot be exact."""
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given
@@ -10,6 +12,7 @@ from torch import nn
 
 import flashdp
 from flashdp import FlashDPError
+from tests.oracle import assert_clipped_sums, clip, per_sample_grads
 from tests.steps import check_steps
 from tests.strategies import modes
 
@@ -364,3 +367,69 @@ def test_a_layer_norm_over_channels_runs_no_generic_rule(monkeypatch):
         engine.backward(model(torch.randn(4, 2, 3, 3, dtype=torch.float64)).square().sum(1))
         assert engine.strategies["1.weight"] == "broadcast"
     assert runs == []
+
+
+# --- found by a breaker: a table's positions taken for samples at T == B, its rows check without evidence -------
+
+
+class ScaledTableLastToken(nn.Module):
+    """`tanh(x + alpha * pe[:T])`, then the last token by a one-hot mask: at T == B, `alpha * pe[:T]` `[T, d]` passes
+    for a batch by its size; on a batch whose samples each read one position alone, its rows check passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.rand(WIDTH) + 0.5)
+        self.register_buffer("pe", torch.randn(16, WIDTH))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, last):  # [B, T, d], [B]
+        h = torch.tanh(x + self.alpha * self.pe[: x.shape[1]])
+        pooled = (h * nn.functional.one_hot(last, x.shape[1]).to(h.dtype)[..., None]).sum(1)
+        return self.head(pooled).squeeze(-1).square()
+
+
+class GatedTable(nn.Module):
+    """Mean-pooled tokens plus a gated branch reading `alpha * pe[:T]`, the gate `[d]` at 0 on the first step (a
+    ReZero or layer-scale init): every row of the table's product then has gradient 0, and its check passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha, self.gate = nn.Parameter(torch.rand(WIDTH) + 0.5), nn.Parameter(torch.zeros(WIDTH))
+        self.register_buffer("pe", torch.randn(16, WIDTH))
+        self.first, self.head = nn.Linear(3, WIDTH), nn.Linear(WIDTH, 2)
+
+    def forward(self, x):  # [B, T, 3]
+        h = self.first(x)
+        pooled = h.mean(1) + self.gate * torch.tanh(h + self.alpha * self.pe[: x.shape[1]]).mean(1)
+        return self.head(pooled).square().sum(1)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_table_s_positions_are_not_taken_for_samples_when_one_sample_reads_each(mode):
+    """(Silently wrong on the steps after the first before: 0.54 C.)"""
+    torch.manual_seed(0)
+    lasts = [torch.tensor([0, 1]), torch.tensor([1, 1]), torch.tensor([1, 0])]
+    batches = [(torch.randn(2, 2, WIDTH, dtype=torch.float64), last) for last in lasts]
+    check_steps(
+        ScaledTableLastToken().double(), batches, lambda m, b: m(*b), lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]),
+        [2, 2, 2], mode=mode, max_grad_norm=0.5,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_table_s_positions_are_not_taken_for_samples_under_a_gate_at_zero(mode):
+    """(Silently wrong once the gate moved before: 0.06 C.) One engine; the gate moved between steps as an
+    optimizer would, the oracle on a copy of the model as it is at each step."""
+    torch.manual_seed(0)
+    model = GatedTable().double()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=0.5, noise_multiplier=0.0, self_check=None)
+    for gate in (0.0, 0.7, 1.7):
+        with torch.no_grad():
+            model.gate.fill_(gate)
+        x, reference = torch.randn(3, 3, 3, dtype=torch.float64), copy.deepcopy(model)
+        expected = per_sample_grads(reference, lambda rows, x=x, m=reference: m(x[rows]), 3)
+        expected_norms, expected_sums = clip(expected, "flat", 0.5)
+        model.zero_grad(set_to_none=True)
+        torch.testing.assert_close(engine.backward(model(x)).double(), expected_norms, rtol=1e-5, atol=1e-6)
+        assert_clipped_sums(model, expected_sums, 1e-7, where=f"gate {gate}: ")
+    engine.detach()

@@ -90,7 +90,15 @@ def _frontiers(graph: LossGraph, edge: GradientEdge, batch: int) -> list[Frontie
     found = graph.frontiers(edge, batch, parameter=True)
     if not found or not all(_takes_back(f.node) and _elements_of(f.child[0], edge.node) for f in found):
         return None
-    return found
+    return None if any(_met_again(graph, f, batch) for f in found) else found
+
+
+def _met_again(graph: LossGraph, frontier: Frontier, batch: int) -> bool:
+    """Whether the batch appears again above the frontier's output: `alpha * pe[:T]` (a buffer's `[T, d]` rows) at
+    T == B passes for a batch by its size, and is broadcast over the true one later (`x + ...`, `[B, T, d]`): its
+    rows were positions. (Its rows check can pass without evidence: where one sample reads each position, or where
+    its gradient is zero, a scale initialised at 0: a breaker's 0.54 C on later steps.)"""
+    return bool(graph.frontiers(GradientEdge(frontier.node, frontier.output_nr), batch))
 
 
 #: the frontier ops whose backward `shared_outputs._through` takes for all samples in one op (any other runs once

@@ -433,3 +433,38 @@ def test_a_table_s_positions_are_not_taken_for_samples_under_a_gate_at_zero(mode
         torch.testing.assert_close(engine.backward(model(x)).double(), expected_norms, rtol=1e-5, atol=1e-6)
         assert_clipped_sums(model, expected_sums, 1e-7, where=f"gate {gate}: ")
     engine.detach()
+
+
+class TimeMajorTable(nn.Module):
+    """`alpha * pe[:T]` added to a time-major `[T, B, d]` batch: no later op shows the batch again (it is in dim 1),
+    and a gate at 0 leaves the table's rows check nothing to see on the first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha, self.gate = nn.Parameter(torch.rand(WIDTH) + 0.5), nn.Parameter(torch.zeros(WIDTH))
+        self.register_buffer("pe", torch.randn(16, WIDTH))
+        self.first, self.head = nn.Linear(3, WIDTH), nn.Linear(WIDTH, 2)
+
+    def forward(self, x):  # [B, T, 3]
+        h = self.first(x)
+        branch = torch.tanh(h.transpose(0, 1) + (self.alpha * self.pe[: x.shape[1]])[:, None]).mean(0)
+        return self.head(h.mean(1) + self.gate * branch).square().sum(1)
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_table_s_positions_added_to_a_time_major_batch_are_not_taken_for_samples(mode):
+    """(A breaker's bypass of the check above: 0.04 C on later steps.) The batch side of a frontier must be tracked
+    by autograd: a fixed table's rows are not."""
+    torch.manual_seed(0)
+    model = TimeMajorTable().double()
+    engine = flashdp.make_private(model, mode=mode, max_grad_norm=0.5, noise_multiplier=0.0, self_check=None)
+    for gate in (0.0, 0.7, -1.3):
+        with torch.no_grad():
+            model.gate.fill_(gate)
+        x, reference = torch.randn(3, 3, 3, dtype=torch.float64), copy.deepcopy(model)
+        expected = per_sample_grads(reference, lambda rows, x=x, m=reference: m(x[rows]), 3)
+        expected_norms, expected_sums = clip(expected, "flat", 0.5)
+        model.zero_grad(set_to_none=True)
+        torch.testing.assert_close(engine.backward(model(x)).double(), expected_norms, rtol=1e-5, atol=1e-6)
+        assert_clipped_sums(model, expected_sums, 1e-7, where=f"gate {gate}: ")
+    engine.detach()

@@ -19,8 +19,10 @@ the generic rule, re-running the module, did not depend on it.
 A call's parameters are taken so only where every one its site counts is a leaf that this call alone counts, whose
 frontiers are additions, products, expands or a layer norm's affine (`F.layer_norm` in a module of its own, such
 as ConvNeXt's channels-first norm: taken back for all samples in one op), reached from the parameter
-through views, slices and elementwise maps of it alone (a parameter used in a matrix product, or counted by two
-calls, leaves the whole call to the generic rule). They are keyed among the shared outputs as (call,
+through views, slices and elementwise maps of it alone, whose other side (where the batch comes from) autograd
+tracks, and above which the batch does not appear again (a parameter used in a matrix product, or counted by two
+calls, or scaling a fixed table `pe[:T]` whose rows pass for a batch at T == B, leaves the whole call to the generic
+rule). They are keyed among the shared outputs as (call,
 `len(call.edges) + k`), k the parameter's index in its site's `trainable`.
 """
 
@@ -90,7 +92,22 @@ def _frontiers(graph: LossGraph, edge: GradientEdge, batch: int) -> list[Frontie
     found = graph.frontiers(edge, batch, parameter=True)
     if not found or not all(_takes_back(f.node) and _elements_of(f.child[0], edge.node) for f in found):
         return None
-    return None if any(_met_again(graph, f, batch) for f in found) else found
+    if not all(_batch_side_tracked(f) for f in found) or any(_met_again(graph, f, batch) for f in found):
+        return None
+    return found
+
+
+def _batch_side_tracked(frontier: Frontier) -> bool:
+    """Whether the frontier's other side, where the batch comes from, is a tensor autograd tracks (computed from the
+    layers' outputs or inputs): an untracked one may be a buffer whose `[T, d]` rows pass for a batch at T == B
+    (`alpha * pe[:T]`, with `pe` a fixed table), whatever happens above it (a breaker added it to a time-major batch,
+    or broadcast its mean, where no later op shows the batch again). An expand has no other side: its rows are
+    checked, as any frontier's, and `_met_again`."""
+    inputs = frontier.node.next_functions
+    others = [child for slot, (child, _) in enumerate(inputs) if slot not in frontier.slots]
+    if frontier.node.name() == "NativeLayerNormBackward0":  # (its batch side is its input; the others are affine)
+        others = [inputs[0][0]]
+    return not others or any(child is not None for child in others)
 
 
 def _met_again(graph: LossGraph, frontier: Frontier, batch: int) -> bool:

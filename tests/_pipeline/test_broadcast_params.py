@@ -418,12 +418,16 @@ def test_a_table_s_positions_are_not_taken_for_samples_when_one_sample_reads_eac
 
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
 def test_a_table_s_positions_are_not_taken_for_samples_under_a_gate_at_zero(mode):
-    """(Silently wrong once the gate moved before: 0.06 C.) One engine; the gate moved between steps as an
-    optimizer would, the oracle on a copy of the model as it is at each step."""
+    """(Silently wrong once the gate moved before: 0.06 C.)"""
     torch.manual_seed(0)
-    model = GatedTable().double()
+    _check_gate_moving(GatedTable().double(), mode, (0.0, 0.7, 1.7))
+
+
+def _check_gate_moving(model: nn.Module, mode: str, gates: tuple[float, ...]) -> None:
+    """One engine through steps on `[3, 3, 3]` batches, `model.gate` set to each of `gates` in turn (as an optimizer
+    moves it), each step against the oracle on a copy of the model as it is then."""
     engine = flashdp.make_private(model, mode=mode, max_grad_norm=0.5, noise_multiplier=0.0, self_check=None)
-    for gate in (0.0, 0.7, 1.7):
+    for gate in gates:
         with torch.no_grad():
             model.gate.fill_(gate)
         x, reference = torch.randn(3, 3, 3, dtype=torch.float64), copy.deepcopy(model)
@@ -435,15 +439,9 @@ def test_a_table_s_positions_are_not_taken_for_samples_under_a_gate_at_zero(mode
     engine.detach()
 
 
-class TimeMajorTable(nn.Module):
+class TimeMajorTable(GatedTable):
     """`alpha * pe[:T]` added to a time-major `[T, B, d]` batch: no later op shows the batch again (it is in dim 1),
     and a gate at 0 leaves the table's rows check nothing to see on the first step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.alpha, self.gate = nn.Parameter(torch.rand(WIDTH) + 0.5), nn.Parameter(torch.zeros(WIDTH))
-        self.register_buffer("pe", torch.randn(16, WIDTH))
-        self.first, self.head = nn.Linear(3, WIDTH), nn.Linear(WIDTH, 2)
 
     def forward(self, x):  # [B, T, 3]
         h = self.first(x)
@@ -456,15 +454,4 @@ def test_a_table_s_positions_added_to_a_time_major_batch_are_not_taken_for_sampl
     """(A breaker's bypass of the check above: 0.04 C on later steps.) The batch side of a frontier must be tracked
     by autograd: a fixed table's rows are not."""
     torch.manual_seed(0)
-    model = TimeMajorTable().double()
-    engine = flashdp.make_private(model, mode=mode, max_grad_norm=0.5, noise_multiplier=0.0, self_check=None)
-    for gate in (0.0, 0.7, -1.3):
-        with torch.no_grad():
-            model.gate.fill_(gate)
-        x, reference = torch.randn(3, 3, 3, dtype=torch.float64), copy.deepcopy(model)
-        expected = per_sample_grads(reference, lambda rows, x=x, m=reference: m(x[rows]), 3)
-        expected_norms, expected_sums = clip(expected, "flat", 0.5)
-        model.zero_grad(set_to_none=True)
-        torch.testing.assert_close(engine.backward(model(x)).double(), expected_norms, rtol=1e-5, atol=1e-6)
-        assert_clipped_sums(model, expected_sums, 1e-7, where=f"gate {gate}: ")
-    engine.detach()
+    _check_gate_moving(TimeMajorTable().double(), mode, (0.0, 0.7, -1.3))

@@ -91,33 +91,57 @@ def outside_frontiers(
     of their edges nor at a frontier among the `inside` nodes (the call's part of the graph below them). [] where
     every path to the loss is such a path (the output's own gradient is then nothing); None where it does not reach
     the loss or some path gets there without meeting the batch."""
+    found, every_path = _walk(edge, graph, batch, inside, others, shared, parameter)
+    return found if every_path else None
+
+
+def _walk(
+    edge: GradientEdge,
+    graph: dict[Node, list[tuple[Node, int]]],
+    batch: int,
+    inside: Collection[Node],
+    others: Collection[tuple[Node, int]],
+    shared: SharedEdges,
+    parameter: bool,
+) -> tuple[list[Frontier], bool]:
+    """`outside_frontiers`' frontiers, and whether every path met the batch. An op where the batch appears above
+    which it appears again (`[T, d]` broadcast to `[B, T, d]`) is no frontier: its rows were positions, whose
+    number was B (`kind.expand(T, d)` or `table * 2.0 + kind` at T == B, each added to the tokens later; their
+    rows' check passes without evidence where each position is read by one sample, a one-hot last-token pooling:
+    a breaker's 0.6 C on later steps). The frontiers are where it appears again, on every path from that op (where
+    it does on some paths only, rows of samples mixed, `h + h.mean(0)`, the op stays a frontier: its rows' check
+    refuses it)."""
     found: list[Frontier] = []
+    every_path = True
     pending = [(edge.node, edge.output_nr, 0)]
     seen: set[tuple[Node, int]] = set()
     while pending:
         node, output_nr, depth = pending.pop()
-        if (node, output_nr) in seen:
+        if (node, output_nr) in seen or (depth and (node, output_nr) in others):
             continue
         seen.add((node, output_nr))
-        if depth and (node, output_nr) in others:
-            continue
         ours = node._input_metadata[output_nr].shape
         consumers = [(p, s) for p, s in graph.get(node, ()) if p.next_functions[s][1] == output_nr]
         if not consumers or depth >= MAX_DEPTH:
-            return None  # the loss itself, or too far up
+            every_path = False  # the loss itself, or too far up
+            continue
         for consumer, _ in consumers:
             carrying = [j for j, m in enumerate(consumer._input_metadata) if _introduces_batch(ours, m.shape, batch)]
             slots = tuple(s for s, child in enumerate(consumer.next_functions) if child == (node, output_nr))
             if len(carrying) > 1:
-                return None  # (an op of several outputs with the batch: each sample's part is taken through one)
-            if carrying and _broadcasts(consumer, slots, consumer._input_metadata[carrying[0]].shape, batch, shared):
+                every_path = False  # (an op of several outputs with the batch: each sample's part is taken through one)
+            elif carrying and _broadcasts(consumer, slots, consumer._input_metadata[carrying[0]].shape, batch, shared):
                 if consumer not in inside:
-                    found.append(Frontier(consumer, carrying[0], slots, (node, output_nr)))
+                    above, again_on_every_path = _walk(
+                        GradientEdge(consumer, carrying[0]), graph, batch, inside, others, shared, parameter=True
+                    )
+                    here = Frontier(consumer, carrying[0], slots, (node, output_nr))
+                    found += above if above and again_on_every_path else [here]
             elif not parameter and any(_merges_batch_sized(ours, m.shape, batch) for m in consumer._input_metadata):
-                return None  # (rows of samples mixed, then broadcast: not shared, a loss mixing the samples)
+                every_path = False  # (rows of samples mixed, then broadcast: not shared, a loss mixing the samples)
             else:
                 pending += [(consumer, j, depth + 1) for j in range(len(consumer._input_metadata))]
-    return list(dict.fromkeys(found))
+    return list(dict.fromkeys(found)), every_path
 
 
 #: how many autograd nodes below a shared output's inputs are walked for rows of samples (`computed_from`); a

@@ -36,10 +36,9 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from flashdp._pipeline.knowledge import Knowledge
 from flashdp._pipeline.loss_graph import LossGraph
-from flashdp._pipeline.params import attribute
 from flashdp._pipeline.plan import GradientPlan
 from flashdp._pipeline.recorder import Call
-from flashdp._pipeline.shared_outputs import MAX_DEPTH, ONE_INPUT_MAPS, Frontier, SharedOutput
+from flashdp._pipeline.shared_outputs import MAX_DEPTH, ONE_INPUT_MAPS, Frontier, SharedOutput, batch_side, in_one_op
 
 Key = tuple[int, int]
 
@@ -47,7 +46,15 @@ Key = tuple[int, int]
 def broadcast_parameters(known: Knowledge, graph: LossGraph, calls: Sequence[Call]) -> dict[Key, SharedOutput]:
     """(call, `len(call.edges) + k`) -> the k-th parameter of a generic site's call, counted at its frontiers, for
     every call whose parameters all can be (see the module docstring) and whose module's were not found elsewhere
-    (`Knowledge.unbroadcast`); none on a batch of one."""
+    (`Knowledge.unbroadcast`); none on a batch of one. Found once per backward (several stages ask alike), each
+    call given new `SharedOutput`s (a pass fills their `per_sample`)."""
+    key = ("broadcast_parameters", id(known.plan), known.unbroadcast, tuple(map(id, calls)))
+    # (the plan and calls held with the result: their ids in the key are not reused while it is kept)
+    found, _, _ = graph.memo(key, lambda: (_found(known, graph, calls), known.plan, list(calls)))
+    return {k: SharedOutput(p.edge, p.shape, p.frontiers, parameter=True) for k, p in found.items()}
+
+
+def _found(known: Knowledge, graph: LossGraph, calls: Sequence[Call]) -> dict[Key, SharedOutput]:
     batch, plan = graph.loss.shape[0], known.plan
     generic = [i for i, c in enumerate(calls) if plan.site(c.module).is_generic] if batch > 1 else []
     if not generic:
@@ -73,7 +80,7 @@ def _call_parameters(
     """The call's parameters with their frontiers, or None where one of them cannot be counted at frontiers."""
     batch, found = graph.loss.shape[0], {}
     for k, name in enumerate(plan.site(call.module).trainable):
-        tensor = call.params[name] if name in call.params else attribute(call.module, name)
+        tensor = call.parameter(name)
         if counted[plan.param_of[(id(call.module), name)].key] != 1 or not _is_leaf(tensor):
             return None
         edge = get_gradient_edge(tensor)
@@ -90,7 +97,7 @@ def _frontiers(graph: LossGraph, edge: GradientEdge, batch: int) -> list[Frontie
     if not graph.reaches_loss(edge):
         return []
     found = graph.frontiers(edge, batch, parameter=True)
-    if not found or not all(_takes_back(f.node) and _elements_of(f.child[0], edge.node) for f in found):
+    if not found or not all(in_one_op(f) and _elements_of(f.child[0], edge.node) for f in found):
         return None
     return found if all(_batch_side_tracked(f) for f in found) else None
 
@@ -101,30 +108,8 @@ def _batch_side_tracked(frontier: Frontier) -> bool:
     (`alpha * pe[:T]`, with `pe` a fixed table), whatever happens above it (a breaker added it to a time-major batch,
     or broadcast its mean, where no later op shows the batch again). An expand has no other side: its rows are
     checked, as any frontier's."""
-    inputs = frontier.node.next_functions
-    others = [child for slot, (child, _) in enumerate(inputs) if slot not in frontier.slots]
-    if frontier.node.name() == "NativeLayerNormBackward0":  # (its batch side is its input; the others are affine)
-        others = [inputs[0][0]]
+    others = batch_side(frontier)
     return not others or any(child is not None for child in others)
-
-
-#: the frontier ops whose backward `shared_outputs._through` takes for all samples in one op (any other runs once
-#: per sample: B backwards of a matrix product, for a bias also added in a Linear, where one re-run of the module
-#: costs one)
-_ONE_OP_FRONTIERS = frozenset(
-    {"AddBackward0", "SubBackward0", "ExpandBackward0", "MulBackward0", "NativeLayerNormBackward0"}
-)
-
-
-def _takes_back(node: Node) -> bool:
-    """Whether each sample's rows are taken back through the frontier op in one op (`_ONE_OP_FRONTIERS`), with no
-    tensor saved through hooks (an activation checkpoint's recomputation may be read once: the op's own backward
-    reads it after)."""
-    if node.name() not in _ONE_OP_FRONTIERS:
-        return False
-    saved = [getattr(node, name) for name in dir(node) if name.startswith("_raw_saved_")]
-    saved = [s for entry in saved for s in (entry if isinstance(entry, (list, tuple)) else [entry])]
-    return all(getattr(s, "unpack_hook", None) is None for s in saved)
 
 
 def _elements_of(node: Node, leaf: Node) -> bool:
@@ -146,11 +131,8 @@ def _is_leaf(tensor: Tensor) -> bool:
     return isinstance(tensor, Tensor) and tensor.is_leaf and tensor.requires_grad
 
 
-def parameters_of(shared: Mapping[Key, SharedOutput], index: int, trainable: Sequence[str], outputs: int) -> dict:
-    """Call `index`'s parameters counted at their frontiers, by name, with their per-sample gradients `[B, *shape]`
-    (`outputs`: the call's number of output edges; `trainable`: its site's parameter names)."""
-    return {
-        trainable[j - outputs]: output.per_sample
-        for (i, j), output in shared.items()
-        if i == index and output.parameter
-    }
+def parameters_of(entries: Mapping[int, SharedOutput], trainable: Sequence[str], outputs: int) -> dict:
+    """A call's parameters counted at their frontiers, by name, with their per-sample gradients `[B, *shape]`, from
+    the call's `entries` among the shared outputs (by output or `outputs + k`; `outputs`: the call's number of
+    output edges; `trainable`: its site's parameter names)."""
+    return {trainable[j - outputs]: output.per_sample for j, output in entries.items() if output.parameter}

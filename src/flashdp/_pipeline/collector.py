@@ -103,6 +103,9 @@ class NormCollector:
         self._missed: set[Hashable] = set()  # parameters of calls the first pass fingerprinted and this one missed
         self._strategy, self._keep_for_sum, self._backend = strategy, keep_for_sum, backend
         self._recorder, self._shared = recorder, shared or {}
+        self._shared_of: dict[int, dict[int, SharedOutput]] = {}  # call -> its entries in `shared`, by output
+        for (index, j), output in self._shared.items():
+            self._shared_of.setdefault(index, {})[j] = output
         #: (the shared outputs' nodes, the others' and the shared outputs' frontiers): `_shared_inputs`
         self._output_nodes = _split_output_nodes(calls, self._shared)
         self._keep_gradients, self._users = keep_gradients, users
@@ -210,7 +213,7 @@ class NormCollector:
 
     def _shared_per_sample(self, index: int) -> dict[int, Tensor]:
         """The per-sample gradients of call `index`'s outputs shared across the batch, by output."""
-        return {j: output.per_sample for (i, j), output in self._shared.items() if i == index} if self._shared else {}
+        return {j: output.per_sample for j, output in self._shared_of.get(index, {}).items()}
 
     def _per_sample(
         self, index: int, site: Site, call: Call, grads: OutputGrads, dims: tuple[int, ...]
@@ -231,7 +234,7 @@ class NormCollector:
 
     def _broadcast(self, index: int, site: Site, call: Call) -> dict[str, Tensor | None]:
         """Call `index`'s parameters counted where they meet the batch (`broadcast_params`), by name."""
-        return parameters_of(self._shared, index, site.trainable, len(call.edges)) if self._shared else {}
+        return parameters_of(self._shared_of.get(index, {}), site.trainable, len(call.edges))
 
     def _shared_inputs(self, call: Call) -> frozenset[int]:
         """`LayerCall.shared_inputs` of a call (of its parameters alone where no output is shared in this pass)."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -16,6 +17,7 @@ from flashdp._pipeline.users import UserGroups
 Parents = dict[Node, list[tuple[Node, int]]]
 #: `LossGraph.operations`: the number of nodes, and a hash of their ops and wiring
 Operations = tuple[int, int]
+T = TypeVar("T")
 
 
 class LossGraph:
@@ -28,6 +30,7 @@ class LossGraph:
         self.loss, self.users = loss, users
         self._above: dict[frozenset[tuple[Node, int]], set[Node]] = {}
         self._frontiers: dict[tuple, list[shared_outputs.Frontier]] = {}
+        self._memo: dict[tuple, object] = {}
 
     @property
     def units(self) -> int:
@@ -110,6 +113,13 @@ class LossGraph:
         if key not in self._frontiers:
             self._frontiers[key] = shared_outputs.frontiers(edge, self.parents, batch, shared, parameter)
         return self._frontiers[key]
+
+    def memo(self, key: tuple, compute: Callable[[], T]) -> T:
+        """`compute()`, computed once per backward for `key` (what several stages derive alike from the graph and
+        the calls: not to be changed by the caller)."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]  # type: ignore[return-value]
 
     def above(self, edges: Collection[tuple[Node, int]]) -> set[Node]:
         """The nodes from which one of `edges` (node, output_nr) is reachable by at least one step: autograd runs

@@ -12,7 +12,6 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
 from flashdp._pipeline.loss_graph import LossGraph
-from flashdp._pipeline.params import attribute
 from flashdp._pipeline.plan import Site
 from flashdp._pipeline.recorder import Call
 from flashdp.errors import FlashDPError
@@ -239,9 +238,7 @@ def _run_rule(
             dim = site.match.batch_dim
             grad_output, inputs = grad_output.movedim(dim, 0), tuple(_batch_first(x, dim, batch) for x in inputs)
         return rule.per_sample_grads(call.module, inputs, grad_output, frozenset(site.trainable))
-    params = {
-        name: call.params[name] if name in call.params else attribute(call.module, name) for name in site.trainable
-    }
+    params = {name: call.parameter(name) for name in site.trainable}
     layer_call = LayerCall(
         module=call.module,
         args=call.args,
@@ -267,7 +264,7 @@ def _captured(per_sample: Tensor | None, call: Call, name: str, batch: int) -> T
     """A parameter's per-sample gradient taken where it meets the batch, in the accumulation dtype; zeros where no
     gradient reached it on this pass."""
     if per_sample is None:
-        param = call.params[name] if name in call.params else attribute(call.module, name)
+        param = call.parameter(name)
         return param.new_zeros(batch, *param.shape, dtype=accumulation_dtype(param))
     return per_sample.to(accumulation_dtype(per_sample))
 

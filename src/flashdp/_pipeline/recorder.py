@@ -74,6 +74,11 @@ class Call:
         """The positional inputs, or without any, the keyword inputs' values: what a simple rule takes."""
         return self.args or tuple(self.kwargs.values())
 
+    def parameter(self, name: str) -> Tensor:
+        """The tensor the call used for its module's parameter `name` (dotted): as held during the call where a
+        wrapper replaced it, else the module's own."""
+        return self.params[name] if name in self.params else attribute(self.module, name)
+
     def modified_in_place(self) -> bool:
         return self.was_modified or any(
             o is not None and o._version != v for o, v in zip(self.outputs, self.output_versions, strict=True)

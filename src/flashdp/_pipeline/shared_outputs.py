@@ -392,24 +392,53 @@ def _through(frontier: Frontier, grad_outputs: tuple, output: SharedOutput, batc
     return per_sample.reshape(batch, *output.shape)
 
 
+#: the frontier ops whose backward into their shared side is taken for all samples in one op, by shared slot, with
+#: the tensors it saved that this reads: an addition's or an expand's nothing (each sample's rows summed, in
+#: `_through`), a product's other factor (`grad * b` for `a * b` with the shared `a`), a layer norm's weight its
+#: normalised input (from its input, mean and 1 / std), its bias nothing. Any other op or slot runs its backward
+#: once per sample.
+_ONE_OP_READS: dict[str, dict[int, tuple[str, ...]]] = {
+    "AddBackward0": {0: (), 1: ()},
+    "SubBackward0": {0: (), 1: ()},
+    "ExpandBackward0": {0: ()},
+    "MulBackward0": {0: ("other",), 1: ("self",)},
+    "NativeLayerNormBackward0": {1: ("input", "result1", "result2"), 2: ()},
+}
+
+
+def in_one_op(frontier: Frontier) -> bool:
+    """Whether each sample's part of the frontier's output gradient is taken back through it for all samples in one
+    op (`_ONE_OP_READS`): an addition on any slots, another op on one, reading no tensor saved through hooks (an
+    activation checkpoint's recomputation may be unpacked once: the node's own backward reads it after this)."""
+    name, slots = frontier.node.name(), frontier.slots
+    reads = _ONE_OP_READS.get(name, {})
+    if name in _ADDITIONS:
+        return all(slot in reads for slot in slots)
+    return len(slots) == 1 and slots[0] in reads and not _through_hooks(frontier.node, *reads[slots[0]])
+
+
+def batch_side(frontier: Frontier) -> list[Node | None]:
+    """The frontier op's inputs where the batch comes from (None: one autograd does not track): a layer norm's
+    input (its weight and bias are affine); any other op's inputs off the shared side (none for an expand)."""
+    inputs = frontier.node.next_functions
+    if frontier.node.name() == "NativeLayerNormBackward0":
+        return [inputs[0][0]]
+    return [child for slot, (child, _) in enumerate(inputs) if slot not in frontier.slots]
+
+
 def _rows_in_one_op(frontier: Frontier, grad: Tensor) -> Tensor | None:
     """The frontier op's backward into its shared side before the sum to its shape, `[B, ...]`, for all samples in
-    one op instead of B runs of the node: `grad * b` for a product `a * b` with the shared `a` on one side; for a
-    layer norm's weight `grad * x_hat` (the normalised input, from the mean and 1 / std it saved), for its bias
-    `grad`. None for any other op, or where what it needs is saved through hooks (an activation checkpoint's
-    recomputation may be unpacked once: the node's own backward reads it after this)."""
+    one op instead of B runs of the node, for a product or a layer norm's affine (`in_one_op`); None for any other
+    op (an addition's is its rows, in `_through`)."""
     node, name = frontier.node, frontier.node.name()
-    if len(frontier.slots) != 1 or grad.is_complex():
+    if grad.is_complex() or name in _ADDITIONS or not in_one_op(frontier):
         return None
     slot = frontier.slots[0]
     if name == "MulBackward0":
-        saved = "other" if slot == 0 else "self"
-        return None if _through_hooks(node, saved) else grad * getattr(node, f"_saved_{saved}")
-    if name == "NativeLayerNormBackward0" and slot == 2:
+        return grad * getattr(node, "_saved_other" if slot == 0 else "_saved_self")
+    if slot == 2:  # (a layer norm's bias)
         return grad
-    if name == "NativeLayerNormBackward0" and slot == 1 and not _through_hooks(node, "input", "result1", "result2"):
-        return grad * ((node._saved_input - node._saved_result1) * node._saved_result2)
-    return None
+    return grad * ((node._saved_input - node._saved_result1) * node._saved_result2)
 
 
 def _through_hooks(node: Node, *saved: str) -> bool:

@@ -15,6 +15,9 @@ class AdapterSuite:
     #: the modes exact where ranks reach different layers (FSDP2's own reduce-scatter, which ghost's second pass
     #: runs, takes only the parameters with a gradient on each rank: it aborts there, as without flashdp)
     uneven_reach_modes = ("bk", "ghost")
+    #: how a raw parameter meeting the batch by broadcast is counted (FSDP1's are views of its flat parameter, no
+    #: leaves: the generic rule counts them)
+    broadcast_counted_by = "broadcast"
 
     @pytest.mark.parametrize("mode", ["bk", "ghost"])
     def test_update_equals_one_process_on_the_union_batch(self, mode):
@@ -24,6 +27,17 @@ class AdapterSuite:
         for rank in ranks:
             for got, expected in zip(rank["params"], expected_params, strict=True):
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+    @pytest.mark.parametrize("mode", ["bk", "ghost"])
+    @pytest.mark.parametrize("mixed", [False, True], ids=["broadcast", "generic"])
+    def test_raw_parameters_of_a_module_without_a_rule_equal_one_process(self, mixed, mode):
+        """`tanh(x) * g + b` (counted where it meets the batch) or `tanh(x) @ g + b` (the generic rule's), in the
+        root's unit. (Refused under FSDP2 until 2026-12-08: the recorder kept only copies of the parameters the
+        generic rule runs with, which the coverage walk could not tell for the tensors the forward read.)"""
+        strategies = check_raw_parameters(self.wrapper, mode, mixed)
+        assert [v for k, v in strategies.items() if k.endswith("3.g")] == [
+            "generic" if mixed else self.broadcast_counted_by
+        ]
 
     def test_convolutions_with_direct_norms_equal_one_process(self):
         ranks = run(workloads.rank_cnn_run, self.wrapper, "bk")
@@ -171,3 +185,15 @@ def assert_steps_of_one_process(ranks: list[dict], expected_norms: list, expecte
     for rank in ranks:
         for got, expected in zip(rank["params"], expected_params, strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def check_raw_parameters(wrapper: str, mode: str, mixed: bool, own_unit: bool = False) -> dict[str, str]:
+    """`workloads.rank_with_a_layer_scale` on every rank equals one process; rank 0's `engine.strategies`."""
+    ranks = run(workloads.rank_with_a_layer_scale, wrapper, mode, mixed, own_unit)
+    model = workloads.build_scaled_model(mixed)
+    norms = workloads.train(model, model, workloads.global_batch(), mode, noise=0.0, micro=workloads.BATCH)
+    torch.testing.assert_close(torch.cat([r["norms"] for r in ranks]), norms, rtol=1e-5, atol=1e-6)
+    for rank in ranks:
+        for got, expected in zip(rank["params"], model.parameters(), strict=True):
+            torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)
+    return ranks[0]["strategies"]

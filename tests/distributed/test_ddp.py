@@ -52,18 +52,3 @@ def test_ranks_with_different_plans_reduce_and_noise_each_parameter_as_one(mode)
     noisy = run(workloads.rank_with_another_plan, "ddp", mode, 1.0)
     for got, other in zip(noisy[0]["params"], noisy[1]["params"], strict=True):
         assert torch.equal(got, other)
-
-
-@pytest.mark.parametrize("mode", ["bk", "ghost"])
-def test_parameters_meeting_the_batch_by_broadcast_equal_one_process(mode):
-    """Raw parameters of a module without a rule, counted where they meet the batch on each rank. (Under FSDP2 the
-    same model, its scale in the root's unit, is refused by the coverage walk with or without this: see
-    docs/distributed.md.)"""
-    ranks = run(workloads.rank_with_a_layer_scale, "ddp", mode)
-    model = workloads.build_scaled_model()
-    norms = workloads.train(model, model, workloads.global_batch(), mode, noise=0.0, micro=workloads.BATCH)
-    torch.testing.assert_close(torch.cat([r["norms"] for r in ranks]), norms, rtol=1e-5, atol=1e-6)
-    for rank in ranks:
-        assert [v for k, v in rank["strategies"].items() if k.endswith("3.g")] == ["broadcast"]
-        for got, expected in zip(rank["params"], model.parameters(), strict=True):
-            torch.testing.assert_close(got, expected.detach(), rtol=1e-5, atol=1e-6)

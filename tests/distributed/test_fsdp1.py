@@ -15,10 +15,12 @@ from tests.distributed.suite import (
 
 class TestFSDP1(AdapterSuite):
     wrapper = "fsdp1"
+    broadcast_counted_by = "generic"
 
 
 class TestFSDP1OrigParams(AdapterSuite):
     wrapper = "fsdp1-orig"
+    broadcast_counted_by = "generic"
 
 
 def test_noise_once_per_coordinate_with_the_right_std():

@@ -9,6 +9,7 @@ from tests.distributed.suite import (
     AdapterSuite,
     assert_steps_of_one_process,
     check_noise_once_per_coordinate_with_the_right_std,
+    check_raw_parameters,
     check_shards_draw_independent_noise,
 )
 
@@ -116,3 +117,11 @@ def test_ranks_with_more_and_fewer_samples_than_check_weights_run_the_same_weigh
     """(A breaker's finding: the layout check's weighted passes were as many as the LOCAL batch needed, one for 3
     float16 samples and two for 5: the rank with two waited in FSDP2's all-gather for ever.)"""
     assert run(_float16_rank_of_its_own_size, mode) == ["ok", "ok"]
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["broadcast", "generic"])
+def test_raw_parameters_of_a_module_without_a_rule_in_a_unit_of_their_own_equal_one_process(mixed, mode):
+    """As the suite's test, the module resharded after its forward: the generic rule runs it again with copies."""
+    strategies = check_raw_parameters("fsdp2", mode, mixed, own_unit=True)
+    assert [v for k, v in strategies.items() if k.endswith("3.g")] == ["generic" if mixed else "broadcast"]

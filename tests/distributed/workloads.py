@@ -220,24 +220,34 @@ def wrap(model: nn.Module, wrapper: str) -> nn.Module:
 
 
 class TanhScale(nn.Module):
-    """`tanh(x) * g + b`: raw parameters meeting the batch by broadcast (counted where they meet it)."""
+    """`tanh(x) * g + b`: raw parameters meeting the batch by broadcast (counted where they meet it); `mixed`:
+    `tanh(x) @ g + b`, a matrix `g` (the generic rule's)."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, mixed: bool = False) -> None:
         super().__init__()
-        self.g, self.b = nn.Parameter(torch.rand(width) + 0.5), nn.Parameter(torch.randn(width) / 4)
+        shape = (width, width) if mixed else (width,)
+        self.g, self.b = nn.Parameter(torch.rand(shape) + 0.5), nn.Parameter(torch.randn(width) / 4)
+        self.mixed = mixed
 
     def forward(self, x):
-        return torch.tanh(x) * self.g + self.b
+        return (torch.tanh(x) @ self.g if self.mixed else torch.tanh(x) * self.g) + self.b
 
 
-def build_scaled_model() -> nn.Module:
+def build_scaled_model(mixed: bool = False) -> nn.Module:
     """build_model with its Tanh a `TanhScale` (the same indices for `wrap`: its parameters in the root's unit)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(12, 6), nn.LayerNorm(6), nn.Linear(6, 10), TanhScale(10), nn.Linear(10, 11))
+    return nn.Sequential(
+        nn.Embedding(12, 6), nn.LayerNorm(6), nn.Linear(6, 10), TanhScale(10, mixed), nn.Linear(10, 11)
+    )
 
 
-def rank_with_a_layer_scale(rank: int, wrapper: str, mode: str) -> dict:
-    model = build_scaled_model()
+def rank_with_a_layer_scale(rank: int, wrapper: str, mode: str, mixed: bool, own_unit: bool = False) -> dict:
+    """`own_unit` (FSDP2): the `TanhScale` sharded on its own too (resharded after its forward)."""
+    model = build_scaled_model(mixed)
+    if own_unit:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model[3])
     wrapped = wrap(model, wrapper)
     engine = private(wrapped, mode)
     norms = engine.backward(per_sample_loss(wrapped, global_batch()[rank * 4 : rank * 4 + 4]))

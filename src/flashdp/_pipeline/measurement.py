@@ -609,7 +609,7 @@ def _graph_tensors(plan: GradientPlan, calls: list[Call]) -> dict[object, Tensor
     for call in calls:
         for name, tensor in call.params.items():
             param = plan.param_of.get((id(call.module), name))
-            if param is not None and tensor.requires_grad:  # not a copy kept for the generic rule
+            if param is not None and tensor.requires_grad:
                 held[param.key] = tensor
     return held
 

@@ -238,7 +238,7 @@ def _run_rule(
             dim = site.match.batch_dim
             grad_output, inputs = grad_output.movedim(dim, 0), tuple(_batch_first(x, dim, batch) for x in inputs)
         return rule.per_sample_grads(call.module, inputs, grad_output, frozenset(site.trainable))
-    params = {name: call.parameter(name) for name in site.trainable}
+    params = {name: call.to_run_with(name) for name in site.trainable}
     layer_call = LayerCall(
         module=call.module,
         args=call.args,

@@ -48,9 +48,11 @@ class Call:
     #: None for the others, which a plain backward would free (e.g. the logits, once the loss has its log-softmax)
     outputs: tuple[Tensor | None, ...]
     output_versions: tuple[int, ...]
-    #: a rule site's counted parameters, as held during the call
+    #: a rule site's counted parameters, as held during the call (the tensors the forward's graph reads)
     params: dict[str, Tensor]
-    #: under a wrapper that replaces parameters after the forward, a generic site's other parameters as held
+    #: under a wrapper that replaces parameters after the forward (FSDP), a per-call rule's copies of `params`, to
+    #: run the call again with, and its site's other tensors as held
+    copies: dict[str, Tensor]
     frozen: dict[str, Tensor]
     autocast: tuple[str, torch.dtype] | None
     #: for a per-call rule, or a scope (the generic rule may count it later), either of which may run the forward
@@ -78,6 +80,11 @@ class Call:
         """The tensor the call used for its module's parameter `name` (dotted): as held during the call where a
         wrapper replaced it, else the module's own."""
         return self.params[name] if name in self.params else attribute(self.module, name)
+
+    def to_run_with(self, name: str) -> Tensor:
+        """`parameter(name)`, or its copy where a wrapper has resharded it since the call (a per-call rule runs the
+        call again with it)."""
+        return self.copies[name] if name in self.copies else self.parameter(name)
 
     def modified_in_place(self) -> bool:
         return self.was_modified or any(
@@ -266,9 +273,10 @@ class Recorder:
             args, kwargs = _packed((args, kwargs), hooks)
         counting = site.match is not None
         params = {name: attribute(module, name) for name in site.trainable}
+        copies: dict[str, Tensor] = {}
         frozen: dict[str, Tensor] = {}
         if self._keep_params and counting and site.match.rule.per_call:  # they read the parameters from the call
-            params = {n: p.detach().clone() for n, p in params.items()}
+            copies = {n: p.detach().clone() for n, p in params.items()}
             frozen = {n: t.detach().clone() for n, t in _tensors_of(module) if n not in params}
         self.calls.append(
             Call(
@@ -281,6 +289,7 @@ class Recorder:
                 outputs=tuple(t if counting and (site.match.rule.per_call or _hideable(t)) else None for t in outputs),
                 output_versions=tuple(t._version for t in outputs),
                 params=params,
+                copies=copies,
                 frozen=frozen,
                 autocast=_autocast_state(outputs[0].device.type),
                 default_device=_default_device() if not counting or site.match.rule.per_call else None,

@@ -31,9 +31,11 @@ def check_steps(
     max_grad_norm: float = 1.0,
     rtol: float = 1e-7,
     refusals: bool = False,
+    before_step: Callable[[nn.Module, int], None] | None = None,
 ) -> list[int]:
     """One engine through every batch in turn; each step's norms and `.grad` against the oracle (float64). With
-    `refusals`, a step may be refused (FlashDPError) instead: the steps refused are returned."""
+    `refusals`, a step may be refused (FlashDPError) instead: the steps refused are returned. `before_step(model,
+    step)` changes both models' weights before a step (under no_grad)."""
     reference = copy.deepcopy(model)
     engine = flashdp.make_private(
         model, mode=mode, max_grad_norm=max_grad_norm, noise_multiplier=0.0, self_check=self_check
@@ -41,6 +43,9 @@ def check_steps(
     refused: list[int] = []
     try:
         for step, (batch, size) in enumerate(zip(batches, sizes, strict=True)):
+            if before_step is not None:  # (an optimiser's change to the weights, on both models)
+                with torch.no_grad():
+                    before_step(model, step), before_step(reference, step)
             expected_ps = per_sample_grads(
                 reference, lambda rows, b=batch: loss_of(reference, sample(b, rows.start)), size
             )

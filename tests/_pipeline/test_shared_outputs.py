@@ -479,38 +479,36 @@ def test_a_table_looked_up_per_sample_and_shared_in_one_op_is_exact(op, mode):
     )  # fmt: skip
 
 
-# --- a shared sum of tables taken for the batch at T == B, its rows check without evidence (session 19's note) ---
+# --- a scaled table plus a kind taken for where the batch meets the kind at T == B (session 19's note) ----------
 
 
 class TablesLastToken(nn.Module):
-    """`tanh(x + shared)`, then the last token by a one-hot mask. `shared` `[T, d]`: `pos(arange(T)) * 2.0 + kind(0)`
-    (`scaled`), or `kind(0).expand(T, d)` (`expanded`). At T == B the kind's way into `[T, d]` passes for where the
-    batch meets it; on a batch whose samples each read one position alone, its rows check passes."""
+    """`tanh(x + pos(arange(T)) * 2.0 + kind(0))`, then the last token by a one-hot mask: at T == B, the kind's
+    addition to the scaled table `[T, d]` passed for where the batch meets it (a Python number is an untracked
+    input to autograd, as the batch's data would be); on a batch whose samples each read one position alone, its
+    rows check passed."""
 
-    def __init__(self, shared: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.pos, self.kind, self.head = nn.Embedding(8, 3), nn.Embedding(2, 3), nn.Linear(3, 1)
-        self.shared = shared
 
     def forward(self, x, last):  # [B, T, d], [B]
-        t, kind = x.shape[1], self.kind(torch.zeros(1, dtype=torch.long))
-        table = self.pos(torch.arange(t)) * 2.0 + kind if self.shared == "scaled" else kind.expand(t, -1)
-        h = torch.tanh(x + table)
+        t = x.shape[1]
+        h = torch.tanh(x + (self.pos(torch.arange(t)) * 2.0 + self.kind(torch.zeros(1, dtype=torch.long))))
         pooled = (h * nn.functional.one_hot(last, t).to(h.dtype)[..., None]).sum(1)
         return self.head(pooled).squeeze(-1).square()
 
 
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
-@pytest.mark.parametrize("shared", ["scaled", "expanded"])
-def test_a_table_s_positions_are_not_taken_for_samples_where_the_batch_meets_it_later(shared, mode):
+def test_a_scaled_table_plus_a_kind_is_no_batch_where_its_length_is_the_batch_size(mode):
     """(Documented as still taken in docs/assumptions.md until 2026-12-08: a breaker's 0.6 C on later steps; here
-    the expanded kind's norms were wrong on step 1, the scaled one refused on step 0.) The batch appears again above
-    the op that passed for its place: that op's rows were positions, and the batch meets the tables there."""
+    refused on the first step.) A scalar is no rows of samples: the scaled table is computed from shared outputs
+    alone, and the batch meets the kind where it meets the table."""
     torch.manual_seed(0)
     lasts = [torch.tensor([0, 1]), torch.tensor([1, 1]), torch.tensor([1, 0])]
     batches = [(torch.randn(2, 2, 3, dtype=torch.float64), last) for last in lasts]
     check_steps(
-        TablesLastToken(shared).double(), batches, lambda m, b: m(*b), lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]),
+        TablesLastToken().double(), batches, lambda m, b: m(*b), lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]),
         [2, 2, 2], mode=mode, max_grad_norm=0.5,
     )  # fmt: skip
 
@@ -518,43 +516,84 @@ def test_a_table_s_positions_are_not_taken_for_samples_where_the_batch_meets_it_
 @given(
     shapes=st.lists(st.tuples(st.integers(2, 4), st.integers(1, 4)), min_size=1, max_size=4),
     seed=st.integers(0, 2**16),
-    shared=st.sampled_from(["scaled", "expanded"]),
     mode=modes,
 )
-def test_tables_under_a_last_token_pooling_are_exact_on_any_sequence_of_shapes(shapes, seed, shared, mode):
+def test_a_scaled_table_plus_a_kind_is_exact_on_any_sequence_of_shapes(shapes, seed, mode):
     generator = torch.Generator().manual_seed(seed)
     batches = [
         (torch.randn(b, t, 3, dtype=torch.float64, generator=generator), torch.randint(0, t, (b,), generator=generator))
         for b, t in shapes
     ]
     check_steps(
-        TablesLastToken(shared).double(), batches, lambda m, b: m(*b), lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]),
+        TablesLastToken().double(), batches, lambda m, b: m(*b), lambda b, i: (b[0][i : i + 1], b[1][i : i + 1]),
         [b for b, _ in shapes], mode=mode, max_grad_norm=0.5,
     )  # fmt: skip
 
 
-class Ensemble(nn.Module):
-    """Positions added to the tokens, then the tokens broadcast over `heads` ensemble members, `[K, B, T, d]`."""
+class TimeMajorContext(nn.Module):
+    """Positions added to the tokens, pooled into a context `[B, d]` broadcast over T2 time-major decoder steps
+    `[T2, B, d]` read with data `m`, through a gate initialised at 0 (nothing reaches the positions on the first
+    step), beside a data-only branch. At T2 == B the decoder's broadcast has the shapes of a batch met again above
+    a table's rows."""
 
-    def __init__(self, heads: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.pos, self.scales = nn.Embedding(8, 3), torch.linspace(0.5, 1.5, heads, dtype=torch.float64)
+        self.pos, self.gate = nn.Embedding(8, 3), nn.Linear(3, 3)
+        self.head, self.side = nn.Linear(3, 1), nn.Linear(3, 1)
+        nn.init.zeros_(self.gate.weight)
+        nn.init.zeros_(self.gate.bias)
 
-    def forward(self, x):  # [B, T, d]
+    def forward(self, x, m):  # [B, T, d], [T2, B, d]
         h = torch.tanh(x + self.pos(torch.arange(x.shape[1])))
-        members = h.unsqueeze(0).expand(len(self.scales), *h.shape) * self.scales[:, None, None, None]
-        return members.square().mean(0).sum((1, 2))
+        context = h.mean(1).unsqueeze(0).expand(m.shape[0], -1, -1)
+        return (self.head(self.gate((context * m).sum(0))) + self.side(x[:, 0])).squeeze(-1) ** 2
 
 
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
-def test_a_batch_broadcast_again_over_as_many_members_as_samples_is_refused_not_wrong(mode):
-    """The batch's tokens broadcast over K ensemble members with K == B read as a table's rows met by the batch
-    again (docs/assumptions.md): where the positions meet the batch is then taken at the members, whose rows are not
-    the samples'. Exact with K != B; refused at K == B (a false refusal, the price of the test above: shapes cannot
-    tell `[T, d]` met by `[B, T, d]` at T == B from `[B, T, d]` broadcast to `[K, B, T, d]` at K == B), never
-    silently wrong."""
+def test_a_time_major_decoder_over_as_many_steps_as_samples_is_exact_after_a_step_with_its_gate_at_zero(mode):
+    """(A breaker's 1.1-1.5 C on a same-day attempt that took a batch broadcast again for a table's rows met by the
+    batch later.) The gate is set after the first step, as an optimiser would."""
+    torch.manual_seed(1)
+    batches = [(torch.randn(3, 4, 3, dtype=torch.float64), torch.randn(3, 3, 3, dtype=torch.float64)) for _ in range(3)]
+
+    def open_the_gate(model: nn.Module, step: int) -> None:
+        if step == 1:
+            model.gate.weight.copy_(torch.eye(3) * 1.5)
+
+    check_steps(
+        TimeMajorContext().double(), batches, lambda m, b: m(*b), lambda b, i: (b[0][i : i + 1], b[1][:, i : i + 1]),
+        [3, 3, 3], mode=mode, max_grad_norm=0.1, before_step=open_the_gate,
+    )  # fmt: skip
+
+
+class GatedKind(nn.Module):
+    """A kind `[1, d]` expanded to the tokens' length, `[T, d]`, added to them under a gate initialised at 0: at T
+    == B the expand passes for where the batch meets the kind, and on a first step its rows are all zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kind, self.gate = nn.Embedding(2, 3), nn.Parameter(torch.zeros(3))
+        self.inp, self.head = nn.Linear(3, 3), nn.Linear(3, 1)
+
+    def forward(self, x):  # [B, T, d]
+        kind = self.kind(torch.zeros(1, dtype=torch.long)).expand(x.shape[1], -1)
+        return self.head(torch.tanh(self.inp(x) + self.gate * torch.tanh(x + kind)).mean(1)).squeeze(-1) ** 2
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+def test_a_frontier_whose_rows_are_zero_decides_nothing_for_later_steps(mode):
+    """(Silently wrong before 2026-12-08: the kind's rows, zero below the gate, passed their check without evidence,
+    and the structure was trusted once the gate opened: 0.1 C.) Exact or refused on every step; the rows are
+    checked again on the first step where they are not zero."""
     torch.manual_seed(0)
-    x = torch.randn(3, 4, 3, dtype=torch.float64)
-    check_steps(Ensemble(2).double(), [x], lambda m, b: m(b), lambda b, i: b[i : i + 1], [3], mode=mode)
-    with pytest.raises(FlashDPError, match="not the loss's samples in order"):
-        check_steps(Ensemble(3).double(), [x], lambda m, b: m(b), lambda b, i: b[i : i + 1], [3], mode=mode)
+    batches = [torch.randn(3, 3, 3, dtype=torch.float64) for _ in range(3)]
+
+    def open_the_gate(model: nn.Module, step: int) -> None:
+        if step == 1:
+            model.gate.fill_(1.0)
+
+    refused = check_steps(
+        GatedKind().double(), batches, lambda m, b: m(b), lambda b, i: b[i : i + 1], [3, 3, 3], mode=mode,
+        max_grad_norm=0.1, before_step=open_the_gate, refusals=True,
+    )  # fmt: skip
+    assert 0 not in refused

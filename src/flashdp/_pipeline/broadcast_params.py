@@ -99,7 +99,9 @@ def _frontiers(graph: LossGraph, edge: GradientEdge, batch: int) -> list[Frontie
     found = graph.frontiers(edge, batch, parameter=True)
     if not found or not all(in_one_op(f) and _elements_of(f.child[0], edge.node) for f in found):
         return None
-    return found if all(_batch_side_tracked(f) for f in found) else None
+    if not all(_batch_side_tracked(f) for f in found) or any(_met_again(graph, f, batch) for f in found):
+        return None
+    return found
 
 
 def _batch_side_tracked(frontier: Frontier) -> bool:
@@ -107,9 +109,19 @@ def _batch_side_tracked(frontier: Frontier) -> bool:
     layers' outputs or inputs): an untracked one may be a buffer whose `[T, d]` rows pass for a batch at T == B
     (`alpha * pe[:T]`, with `pe` a fixed table), whatever happens above it (a breaker added it to a time-major batch,
     or broadcast its mean, where no later op shows the batch again). An expand has no other side: its rows are
-    checked, as any frontier's."""
+    checked, as any frontier's, and `_met_again`."""
     others = batch_side(frontier)
     return not others or any(child is not None for child in others)
+
+
+def _met_again(graph: LossGraph, frontier: Frontier, batch: int) -> bool:
+    """Whether the batch appears again above the frontier's output: `alpha * pe[:T]` (a buffer's `[T, d]` rows) at
+    T == B passes for a batch by its size, and is broadcast over the true one later (`x + ...`, `[B, T, d]`): its
+    rows were positions. (Its rows check can pass without evidence: where one sample reads each position, or where
+    its gradient is zero, a scale initialised at 0: a breaker's 0.54 C on later steps.) Also true where a batch is
+    broadcast again (a time-major decoder's `ctx.expand(T2, B, d)` at T2 == B): the generic rule counts the module
+    then, exact either way."""
+    return bool(graph.frontiers(GradientEdge(frontier.node, frontier.output_nr), batch))
 
 
 def _elements_of(node: Node, leaf: Node) -> bool:

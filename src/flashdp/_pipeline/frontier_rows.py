@@ -88,6 +88,12 @@ class FrontierRows:
             for handle in handles:
                 handle.remove()
 
+    @property
+    def every_sample_seen(self) -> bool:
+        """Whether every sample's rows were resolved at every frontier that ran (`RowSketch.every_sample_seen`): a
+        frontier whose rows are zero, below a gate initialised at 0, passes its check without evidence."""
+        return all(sketch.every_sample_seen for sketch in self.sketches.values())
+
     def failing_calls(self, parameters: bool) -> list[int]:
         """The calls with a failing frontier of a shared output (or of a parameter, `parameters`)."""
         return sorted({call for call, parameter in self.failing if parameter is parameters})

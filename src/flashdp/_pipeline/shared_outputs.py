@@ -91,57 +91,33 @@ def outside_frontiers(
     of their edges nor at a frontier among the `inside` nodes (the call's part of the graph below them). [] where
     every path to the loss is such a path (the output's own gradient is then nothing); None where it does not reach
     the loss or some path gets there without meeting the batch."""
-    found, every_path = _walk(edge, graph, batch, inside, others, shared, parameter)
-    return found if every_path else None
-
-
-def _walk(
-    edge: GradientEdge,
-    graph: dict[Node, list[tuple[Node, int]]],
-    batch: int,
-    inside: Collection[Node],
-    others: Collection[tuple[Node, int]],
-    shared: SharedEdges,
-    parameter: bool,
-) -> tuple[list[Frontier], bool]:
-    """`outside_frontiers`' frontiers, and whether every path met the batch. An op where the batch appears above
-    which it appears again (`[T, d]` broadcast to `[B, T, d]`) is no frontier: its rows were positions, whose
-    number was B (`kind.expand(T, d)` or `table * 2.0 + kind` at T == B, each added to the tokens later; their
-    rows' check passes without evidence where each position is read by one sample, a one-hot last-token pooling:
-    a breaker's 0.6 C on later steps). The frontiers are where it appears again, on every path from that op (where
-    it does on some paths only, rows of samples mixed, `h + h.mean(0)`, the op stays a frontier: its rows' check
-    refuses it)."""
     found: list[Frontier] = []
-    every_path = True
     pending = [(edge.node, edge.output_nr, 0)]
     seen: set[tuple[Node, int]] = set()
     while pending:
         node, output_nr, depth = pending.pop()
-        if (node, output_nr) in seen or (depth and (node, output_nr) in others):
+        if (node, output_nr) in seen:
             continue
         seen.add((node, output_nr))
+        if depth and (node, output_nr) in others:
+            continue
         ours = node._input_metadata[output_nr].shape
         consumers = [(p, s) for p, s in graph.get(node, ()) if p.next_functions[s][1] == output_nr]
         if not consumers or depth >= MAX_DEPTH:
-            every_path = False  # the loss itself, or too far up
-            continue
+            return None  # the loss itself, or too far up
         for consumer, _ in consumers:
             carrying = [j for j, m in enumerate(consumer._input_metadata) if _introduces_batch(ours, m.shape, batch)]
             slots = tuple(s for s, child in enumerate(consumer.next_functions) if child == (node, output_nr))
             if len(carrying) > 1:
-                every_path = False  # (an op of several outputs with the batch: each sample's part is taken through one)
-            elif carrying and _broadcasts(consumer, slots, consumer._input_metadata[carrying[0]].shape, batch, shared):
+                return None  # (an op of several outputs with the batch: each sample's part is taken through one)
+            if carrying and _broadcasts(consumer, slots, consumer._input_metadata[carrying[0]].shape, batch, shared):
                 if consumer not in inside:
-                    above, again_on_every_path = _walk(
-                        GradientEdge(consumer, carrying[0]), graph, batch, inside, others, shared, parameter=True
-                    )
-                    here = Frontier(consumer, carrying[0], slots, (node, output_nr))
-                    found += above if above and again_on_every_path else [here]
+                    found.append(Frontier(consumer, carrying[0], slots, (node, output_nr)))
             elif not parameter and any(_merges_batch_sized(ours, m.shape, batch) for m in consumer._input_metadata):
-                every_path = False  # (rows of samples mixed, then broadcast: not shared, a loss mixing the samples)
+                return None  # (rows of samples mixed, then broadcast: not shared, a loss mixing the samples)
             else:
                 pending += [(consumer, j, depth + 1) for j in range(len(consumer._input_metadata))]
-    return list(dict.fromkeys(found)), every_path
+    return list(dict.fromkeys(found))
 
 
 #: how many autograd nodes below a shared output's inputs are walked for rows of samples (`computed_from`); a
@@ -305,21 +281,40 @@ _ELEMENTWISE = frozenset(
 
 
 def _batch_free(node: Node, output_nr: int, shared: SharedEdges, depth: int = 0) -> bool:
-    """Whether an op's input is computed from `shared` outputs and parameters alone (`tanh(table)`, `table * kind`):
-    through `_ELEMENTWISE` ops every input of which autograd tracks (an untracked one may be the batch's data:
-    `table * x`), of the same number of dims."""
+    """Whether an op's input is computed from `shared` outputs and parameters alone (`tanh(table)`, `table * kind`,
+    `table * 2.0`): through `_ELEMENTWISE` ops every input of which autograd tracks but scalars (an untracked
+    tensor of rows may be the batch's data: `table * x`), of the same number of dims."""
     if (node, output_nr) in shared:
         return True
     variable = getattr(node, "variable", None)
     if variable is not None:
         return isinstance(variable, torch.nn.Parameter)
-    if depth >= MAX_DEPTH or not shared or node.name() not in _ELEMENTWISE:
+    if depth >= MAX_DEPTH or not shared or node.name() not in _ELEMENTWISE or not _untracked_scalars(node):
         return False
     rank = len(node._input_metadata[output_nr].shape)
     return all(
-        child is not None and len(child._input_metadata[nr].shape) == rank and _batch_free(child, nr, shared, depth + 1)
+        child is None or (len(child._input_metadata[nr].shape) == rank and _batch_free(child, nr, shared, depth + 1))
         for child, nr in node.next_functions
     )
+
+
+#: (op, input slot) -> the saved tensor that is that input, where the op saves it for its other input's gradient
+_SAVED_INPUTS = {("MulBackward0", 0): "self", ("MulBackward0", 1): "other", ("DivBackward0", 1): "other"}
+
+
+def _untracked_scalars(node: Node) -> bool:
+    """Whether every input of `node` that autograd does not track is a scalar it saved (`table * 2.0`, `table /
+    scale`: no rows of samples; autograd records a Python number as such a tensor). One saved through hooks is not
+    unpacked (an activation checkpoint would recompute its region): taken as rows."""
+    for slot, (child, _) in enumerate(node.next_functions):
+        name = _SAVED_INPUTS.get((node.name(), slot))
+        if child is not None:
+            continue
+        if name is None or getattr(node, f"_raw_saved_{name}").unpack_hook is not None:
+            return False
+        if getattr(node, f"_saved_{name}").numel() != 1:
+            return False
+    return True
 
 
 #: whether a per-sample vjp of `_through` is running: autograd re-enters the frontier nodes' hooks (this module's,

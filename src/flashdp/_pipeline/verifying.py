@@ -52,11 +52,13 @@ class Verifying:
         self.sketches = [()] * len(self.calls)
 
     def decided(self) -> bool:
-        """Whether the pass decides a layout for later steps: every sample has non-zero rows in every layer (a
-        sample padded out, or masked, shows nothing about whose rows are whose), and no output's rows pass as
-        samples in another dim too (token masks that leave each time step to one sample)."""
+        """Whether the pass decides a layout for later steps: every sample has non-zero rows in every layer and at
+        every frontier of a shared output (a sample padded out, or masked, or a table below a gate at 0, shows
+        nothing about whose rows are whose), and no output's rows pass as samples in another dim too (token masks
+        that leave each time step to one sample)."""
         seen = all(sketch.every_sample_seen for sketches in self.sketches for sketch in sketches if sketch)
-        return seen and not self.passing_elsewhere
+        frontiers_seen = self.frontier_rows is None or self.frontier_rows.every_sample_seen
+        return seen and frontiers_seen and not self.passing_elsewhere
 
     def undecidable(self, plan: GradientPlan) -> FlashDPError | None:
         """The refusal of a pass under which a layer's rows pass as samples in two dims, where this step's result

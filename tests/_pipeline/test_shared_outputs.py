@@ -581,16 +581,17 @@ class GatedKind(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
-def test_a_frontier_whose_rows_are_zero_decides_nothing_for_later_steps(mode):
+@pytest.mark.parametrize("closed", [0.0, 1e-10])
+def test_a_frontier_whose_rows_are_zero_or_tiny_decides_nothing_for_later_steps(closed, mode):
     """(Silently wrong before 2026-12-08: the kind's rows, zero below the gate, passed their check without evidence,
-    and the structure was trusted once the gate opened: 0.1 C.) Exact or refused on every step; the rows are
-    checked again on the first step where they are not zero."""
+    and the structure was trusted once the gate opened: 0.1 C; a breaker's gate at 1e-10, rows not zero but far
+    below what the comparisons resolve: 1.2 C.) Exact or refused on every step; the rows are checked again on the
+    first step where they are large enough."""
     torch.manual_seed(0)
     batches = [torch.randn(3, 3, 3, dtype=torch.float64) for _ in range(3)]
 
     def open_the_gate(model: nn.Module, step: int) -> None:
-        if step == 1:
-            model.gate.fill_(1.0)
+        model.gate.fill_(closed if step == 0 else 1.0)
 
     refused = check_steps(
         GatedKind().double(), batches, lambda m, b: m(b), lambda b, i: b[i : i + 1], [3, 3, 3], mode=mode,

@@ -29,7 +29,9 @@ class Attachment:
         self._modules = [site.module for site in plan.sites.values()]
         guards.claim(self._modules, engine, {id(site.module): site.label for site in plan.sites.values()})
         adapter.attach()
-        self.recorder = Recorder(plan, timer.forward_started, keep_params=adapter.reshards_after_forward)
+        self.recorder = Recorder(
+            plan, timer.forward_started, adapter.reshards_after_forward, adapter.forward_tensor, adapter.rerun_error
+        )
         self.provenance = GradientProvenance(model if trains else None)
         # (under FSDP the registered parameters are not the ones autograd accumulates into)
         watched = {} if adapter.reshards_after_forward else {p.name: p.param for p in plan.params}

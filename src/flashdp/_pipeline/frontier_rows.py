@@ -36,6 +36,8 @@ class FrontierRows:
     sketches: dict[tuple[Node, int], self_check.RowSketch] = field(default_factory=dict)
     #: (call index, whether a parameter's) of the frontiers that failed
     failing: set[tuple[int, bool]] = field(default_factory=set)
+    #: whether a frontier's rows of some sample were too small for the comparisons to see others mixed in
+    unresolved: bool = False
 
     @staticmethod
     def of(shared: Mapping[tuple[int, int], SharedOutput], batch: int) -> FrontierRows:
@@ -62,8 +64,11 @@ class FrontierRows:
 
         def compare(key: tuple[Node, int], grad: Tensor, seed: int) -> None:
             sketch = self.sketches.get(key)
-            if sketch is not None and sketch.fails(grad, grad.shape, 0, weights, rtol, floors):
+            if sketch is None:
+                return
+            if sketch.fails(grad, grad.shape, 0, weights, rtol, floors):
                 self.failing |= self.frontiers[key]
+            self.unresolved |= not sketch.resolves_every_sample(rtol, floors)
 
         with self._hooked(compare):
             yield
@@ -90,9 +95,11 @@ class FrontierRows:
 
     @property
     def every_sample_seen(self) -> bool:
-        """Whether every sample's rows were resolved at every frontier that ran (`RowSketch.every_sample_seen`): a
-        frontier whose rows are zero, below a gate initialised at 0, passes its check without evidence."""
-        return all(sketch.every_sample_seen for sketch in self.sketches.values())
+        """Whether every sample's rows were resolved at every frontier that ran (`RowSketch.every_sample_seen`), and
+        large enough for the comparisons (`RowSketch.resolves_every_sample`): a frontier whose rows are zero or
+        tiny, below a gate initialised at 0 or near it, passes its check without evidence (a breaker's gate at
+        1e-10 then 1: 1.2 C on later steps)."""
+        return not self.unresolved and all(sketch.every_sample_seen for sketch in self.sketches.values())
 
     def failing_calls(self, parameters: bool) -> list[int]:
         """The calls with a failing frontier of a shared output (or of a parameter, `parameters`)."""

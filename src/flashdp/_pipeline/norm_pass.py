@@ -238,6 +238,8 @@ def _run_rule(
             dim = site.match.batch_dim
             grad_output, inputs = grad_output.movedim(dim, 0), tuple(_batch_first(x, dim, batch) for x in inputs)
         return rule.per_sample_grads(call.module, inputs, grad_output, frozenset(site.trainable))
+    if call.rerun_refusal is not None:
+        raise call.rerun_refusal
     params = {name: call.to_run_with(name) for name in site.trainable}
     layer_call = LayerCall(
         module=call.module,

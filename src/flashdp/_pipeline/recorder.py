@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_leaves, tree_map
 
-from flashdp._pipeline.params import attribute
+from flashdp._pipeline.params import TrainableParam, attribute
 from flashdp._pipeline.plan import GradientPlan, Site
 from flashdp.errors import FlashDPError
 from flashdp.per_sample import OutputMeta, RngState, rng_state, rounding_dtype
@@ -67,6 +67,8 @@ class Call:
     #: each tensor input (in `_tensor_leaves` order of args, then kwargs), weakly referenced, with its version as the
     #: call returned: the rules read the inputs in the backward
     watched_inputs: tuple[tuple[weakref.ref, int], ...] = ()
+    #: why a per-call rule may not run this call's forward again (`Adapter.rerun_error`), raised where it would
+    rerun_refusal: Exception | None = None
     #: the module's and its descendants' attributes as the call saw them (`_attributes`): a rule reads a
     #: convolution's dilation or a norm's eps from the module in the backward, when they may have been set back
     attributes: tuple[tuple[nn.Module, dict[str, object]], ...] = ()
@@ -203,7 +205,14 @@ class Recorder:
     keep_params: a wrapper replaces parameters after the forward (FSDP): generic sites copy theirs.
     """
 
-    def __init__(self, plan: GradientPlan, on_call: Callable[[], None] = lambda: None, keep_params: bool = False):
+    def __init__(
+        self,
+        plan: GradientPlan,
+        on_call: Callable[[], None] = lambda: None,
+        keep_params: bool = False,
+        forward_tensor: Callable[[TrainableParam], Tensor | None] = lambda param: param.param,
+        rerun_error: Callable[[nn.Module, str], Exception | None] = lambda module, label: None,
+    ):
         self._plan = plan
         #: the plan the latest forward was recorded under: a checkpoint's recomputation of that forward (in its
         #: backward, or in a pass of the user's own) packs as that forward did, whatever plan a backward committed since
@@ -213,11 +222,12 @@ class Recorder:
         self.owner: object | None = None
         self._on_call = on_call
         self._keep_params = keep_params
+        self._forward_tensor, self._rerun_error = forward_tensor, rerun_error
         self._paused = False
         self._probes: dict[Hashable, float | None] = {}  # probe verdicts shared by alike modules (`_probe_key`)
         self._rng_states: dict[int, list[RngState]] = {}
         #: id(module) -> (the plan, `_subtree_params` under it)
-        self._subtree_params: dict[int, tuple[GradientPlan, tuple[tuple[nn.Module, str, Tensor], ...]]] = {}
+        self._subtree_params: dict[int, tuple[GradientPlan, tuple[tuple[nn.Module, str, TrainableParam], ...]]] = {}
         # prepend: run before a wrapper's own post-forward hook (FSDP2 reshards its parameters there)
         self._handles = [
             site.module.register_forward_hook(_Hook(self), with_kwargs=True, prepend=True)
@@ -250,7 +260,7 @@ class Recorder:
         if not recomputing:
             self._forward_plan = self._plan
         site = self._forward_plan.sites.get(id(module))
-        if site is None or (not self._keep_params and self._substituted(module)):
+        if site is None or self._substituted(module):
             return
         leaves = _tensor_leaves(output)
         slots = _distinct_slots(leaves)
@@ -273,11 +283,7 @@ class Recorder:
             args, kwargs = _packed((args, kwargs), hooks)
         counting = site.match is not None
         params = {name: attribute(module, name) for name in site.trainable}
-        copies: dict[str, Tensor] = {}
-        frozen: dict[str, Tensor] = {}
-        if self._keep_params and counting and site.match.rule.per_call:  # they read the parameters from the call
-            copies = {n: p.detach().clone() for n, p in params.items()}
-            frozen = {n: t.detach().clone() for n, t in _tensors_of(module) if n not in params}
+        copies, frozen, rerun_refusal = self._kept_for_a_rerun(site, module, params)
         self.calls.append(
             Call(
                 module=module,
@@ -296,9 +302,22 @@ class Recorder:
                 rng_state=rng,
                 packed=hooks is not None,
                 watched_inputs=watched,
+                rerun_refusal=rerun_refusal,
                 attributes=_configurations(module),
             )
         )
+
+    def _kept_for_a_rerun(
+        self, site: Site, module: nn.Module, params: dict[str, Tensor]
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor], Exception | None]:
+        """Under a wrapper that replaces the parameters after the forward, for a per-call rule (which reads them
+        from the call): copies of the parameters and of the module's other tensors, and why the rule may not run
+        the call again (`Adapter.rerun_error`); nothing otherwise."""
+        if not (self._keep_params and site.match is not None and site.match.rule.per_call):
+            return {}, {}, None
+        copies = {n: p.detach().clone() for n, p in params.items()}
+        frozen = {n: t.detach().clone() for n, t in _tensors_of(module) if n not in params}
+        return copies, frozen, self._rerun_error(module, site.label)
 
     def _checked_against_its_rule(self, site: Site, module: nn.Module, call: tuple, output: object) -> Site:
         """The site a call is counted under. A rule is trusted with a call's output on evidence only. A module
@@ -358,14 +377,19 @@ class Recorder:
         theirs, which the coverage walk moves to the generic rule of an enclosing module called with its own
         parameters (whose forward makes the substitution again), or refuses; a parameter the call did not use
         gets nothing from it. Asked in the forward hook, after the module's forward: a module whose forward
-        substitutes and restores (around a child's call) is called with its own. (Wrappers that swap parameters
-        in for the forward, FSDP, are not asked.)"""
+        substitutes and restores (around a child's call) is called with its own. Under a wrapper that swaps
+        parameters in for the forward, its own are the ones it swaps in (`Adapter.forward_tensor`: FSDP2's
+        unsharded parameters; FSDP1's new views are not told apart from other tensors, and not asked)."""
         plan = self._forward_plan
         cached = self._subtree_params.get(id(module))
         if cached is None or cached[0] is not plan:
             cached = (plan, _subtree_params(plan, module))
             self._subtree_params[id(module)] = cached
-        return any(owner._parameters.get(name) is not param for owner, name, param in cached[1])
+        for owner, name, param in cached[1]:
+            own = self._forward_tensor(param)
+            if own is not None and owner._parameters.get(name) is not own:
+                return True
+        return False
 
     def follow(self, plan: GradientPlan) -> None:
         """Record the next forwards under `plan` (the engine's, once a backward committed it)."""
@@ -442,11 +466,11 @@ class _Evidence:
         )
 
 
-def _subtree_params(plan: GradientPlan, module: nn.Module) -> tuple[tuple[nn.Module, str, Tensor], ...]:
+def _subtree_params(plan: GradientPlan, module: nn.Module) -> tuple[tuple[nn.Module, str, TrainableParam], ...]:
     """(owner, name, the parameter) for every trainable parameter the plan knows in the module and its
     descendants."""
     return tuple(
-        (owner, name, plan.param_of[(id(owner), name)].param)
+        (owner, name, plan.param_of[(id(owner), name)])
         for owner in _with_descendants(module)
         for name in owner._parameters
         if (id(owner), name) in plan.param_of

@@ -118,6 +118,8 @@ SUBNORMAL_MARGIN = 2.0**8
 SUBNORMAL_SLACK_CAP = 2.0**-120
 #: a sample's rows show whose rows they are only where their norm is this many times that rounding
 RESOLVED = 2.0**10
+#: and, at a shared output's frontier, this many times the error the check tolerates on the sample's floor
+CHECKED = 2.0**4
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,12 @@ class RowSketch:
         """Whether the gradient has rows it resolves and passes (`fails`): evidence for this reading, where a zero
         gradient (an output the loss does not read) passes any."""
         return bool(self._resolved.any()) and not self.fails(weighted, shape, dim, weights, rtol, floor)
+
+    def resolves_every_sample(self, rtol: float, floor: Tensor) -> bool:
+        """Whether every sample's rows are `CHECKED` times what `fails` tolerates on the sample's `floor` `[B]`: rows
+        of another sample mixed in, of their size, would fail. Rows far below it (a table under a gate near 0,
+        1e-10 beside rows of 1) pass any comparison."""
+        return bool((self.norms > CHECKED * rtol * floor.to(self.norms.device)).all())
 
     @property
     def every_sample_seen(self) -> bool:

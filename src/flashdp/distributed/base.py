@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from flashdp._pipeline.params import ParamView, TrainableParam, local_param_views
 from flashdp._pipeline.profiling import PhaseTimer
+from flashdp.errors import FlashDPError
 from flashdp.per_sample import cast
 
 
@@ -55,6 +56,17 @@ class Adapter:
     def second_pass_scale(self) -> float:
         """Loss factor of the ghost second pass, so that the wrapper's gradient reduction yields the SUM."""
         return 1.0
+
+    def forward_tensor(self, param: TrainableParam) -> Tensor | None:
+        """The tensor a module holds for `param` during its forward, where called with its own parameters: the
+        parameter itself. None where the wrapper makes another one for each forward (FSDP1's views of its flat
+        parameter): a call made with other tensors in their place is then not told apart."""
+        return param.param
+
+    def rerun_error(self, module: nn.Module, label: str) -> FlashDPError | None:
+        """Why a rule may not run the module's forward again in the backward (the generic rule's re-run), or None:
+        under no wrapper it runs as it ran."""
+        return None
 
     def graph_leaves(self, params: list[TrainableParam]) -> list[Tensor]:
         """The leaves a backward over the forward's graph accumulates these parameters' gradients into."""

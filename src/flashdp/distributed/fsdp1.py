@@ -102,6 +102,10 @@ class FSDP1Adapter(ShardedAdapter):
             )
         return views
 
+    def forward_tensor(self, param: TrainableParam) -> Tensor | None:
+        """None: FSDP1 gives each module new views of its flat parameter for every forward."""
+        return None
+
     @contextlib.contextmanager
     def norm_pass(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:

@@ -70,6 +70,7 @@ class FSDP2Adapter(ShardedAdapter):
             if p.requires_grad and pid in self._unit_index:
                 trainable[self._unit_index[pid]].append(pid)
         super().__init__(timer, mesh.get_group(), trainable)
+        self._fsdp_params: dict[int, object] | None = None  # id(sharded parameter) -> its FSDPParam, when first asked
 
     def named_parameters(self, model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         """Also each unit's unsharded parameters, swapped in for the forward and out after it: the leaves of its
@@ -84,6 +85,34 @@ class FSDP2Adapter(ShardedAdapter):
                 unsharded = getattr(param, "_unsharded_param", None)
                 if unsharded is not None:
                     yield names.get(id(param.sharded_param), param._module_info.param_name), unsharded
+
+    def forward_tensor(self, param: TrainableParam) -> Tensor | None:
+        """The unit's unsharded parameter, swapped in for the forward (one tensor, kept from forward to forward);
+        None before the unit's first all-gather."""
+        if self._fsdp_params is None:
+            self._fsdp_params = {
+                id(fsdp_param.sharded_param): fsdp_param
+                for group in map(_param_group, self.fsdp_modules)
+                if group is not None
+                for fsdp_param in group.fsdp_params
+            }
+        fsdp_param = self._fsdp_params.get(id(param.param))
+        return None if fsdp_param is None else getattr(fsdp_param, "_unsharded_param", None)
+
+    def rerun_error(self, module: nn.Module, label: str) -> FlashDPError | None:
+        """A unit of its own: FSDP2's hooks on it would gather its parameters again for a re-run, in place of the
+        copies the rule runs with (its per-sample gradients would read 0, a breaker's case)."""
+        if not isinstance(module, FSDPModule):
+            return None
+        return FlashDPError(
+            f"Under FSDP2, layer {label} is a unit of its own (fully_shard was applied to it) and its parameters are "
+            "counted by a rule that runs its forward again in the backward (the generic rule of a module without a "
+            "rule of its own: a parameter used in a matrix product, or one whose per-sample gradient cannot be taken "
+            "where it meets the batch). FSDP2's hooks on the unit would run that forward with the parameters they "
+            "gather, not the copies the rule differentiates. Apply fully_shard to the module holding this one "
+            "instead (its parameters then belong to that unit), or register a rule for its type with "
+            "flashdp.register_rule(...)."
+        )
 
     def graph_leaves(self, params: list[TrainableParam]) -> list[Tensor]:
         """The units' unsharded parameters, which the forward used in place of the sharded ones."""

@@ -29,8 +29,9 @@ class Attachment:
         self._modules = [site.module for site in plan.sites.values()]
         guards.claim(self._modules, engine, {id(site.module): site.label for site in plan.sites.values()})
         adapter.attach()
+        swapping = adapter.reshards_after_forward  # (a wrapper swapping parameters in for the forward, and out)
         self.recorder = Recorder(
-            plan, timer.forward_started, adapter.reshards_after_forward, adapter.forward_tensor, adapter.rerun_error
+            plan, timer.forward_started, swapping, adapter.holds_own if swapping else None, adapter.rerun_error
         )
         self.provenance = GradientProvenance(model if trains else None)
         # (under FSDP the registered parameters are not the ones autograd accumulates into)

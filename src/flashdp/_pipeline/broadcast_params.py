@@ -48,6 +48,8 @@ def broadcast_parameters(known: Knowledge, graph: LossGraph, calls: Sequence[Cal
     every call whose parameters all can be (see the module docstring) and whose module's were not found elsewhere
     (`Knowledge.unbroadcast`); none on a batch of one. Found once per backward (several stages ask alike), each
     call given new `SharedOutput`s (a pass fills their `per_sample`)."""
+    if graph.loss.shape[0] < 2 or not known.plan.counts_generic:
+        return {}
     key = ("broadcast_parameters", id(known.plan), known.unbroadcast, tuple(map(id, calls)))
     # (the plan and calls held with the result: their ids in the key are not reused while it is kept)
     found, _, _ = graph.memo(key, lambda: (_found(known, graph, calls), known.plan, list(calls)))
@@ -55,8 +57,8 @@ def broadcast_parameters(known: Knowledge, graph: LossGraph, calls: Sequence[Cal
 
 
 def _found(known: Knowledge, graph: LossGraph, calls: Sequence[Call]) -> dict[Key, SharedOutput]:
-    batch, plan = graph.loss.shape[0], known.plan
-    generic = [i for i, c in enumerate(calls) if plan.site(c.module).is_generic] if batch > 1 else []
+    plan = known.plan
+    generic = [i for i, c in enumerate(calls) if plan.site(c.module).is_generic]
     if not generic:
         return {}
     counted = Counter(plan.param_of[(id(c.module), name)].key for c in calls for name in plan.site(c.module).trainable)

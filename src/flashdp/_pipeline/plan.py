@@ -9,6 +9,7 @@ counts it is moved to the generic rule at the smallest module whose forward encl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -81,6 +82,11 @@ class GradientPlan:
     @property
     def rule_sites(self) -> list[Site]:
         return [s for s in self.sites.values() if s.match is not None]
+
+    @functools.cached_property
+    def counts_generic(self) -> bool:
+        """Whether some site counts trainable parameters by the generic rule."""
+        return any(site.is_generic and site.trainable for site in self.sites.values())
 
     def site(self, module: nn.Module) -> Site:
         """A hooked module's site; a module no rule counts at any more (its parameters moved) is a scope."""

@@ -210,7 +210,7 @@ class Recorder:
         plan: GradientPlan,
         on_call: Callable[[], None] = lambda: None,
         keep_params: bool = False,
-        forward_tensor: Callable[[TrainableParam], Tensor | None] = lambda param: param.param,
+        holds_own: Callable[[TrainableParam, object], bool] | None = None,
         rerun_error: Callable[[nn.Module, str], Exception | None] = lambda module, label: None,
     ):
         self._plan = plan
@@ -222,7 +222,7 @@ class Recorder:
         self.owner: object | None = None
         self._on_call = on_call
         self._keep_params = keep_params
-        self._forward_tensor, self._rerun_error = forward_tensor, rerun_error
+        self._holds_own, self._rerun_error = holds_own, rerun_error
         self._paused = False
         self._probes: dict[Hashable, float | None] = {}  # probe verdicts shared by alike modules (`_probe_key`)
         self._rng_states: dict[int, list[RngState]] = {}
@@ -378,18 +378,16 @@ class Recorder:
         parameters (whose forward makes the substitution again), or refuses; a parameter the call did not use
         gets nothing from it. Asked in the forward hook, after the module's forward: a module whose forward
         substitutes and restores (around a child's call) is called with its own. Under a wrapper that swaps
-        parameters in for the forward, its own are the ones it swaps in (`Adapter.forward_tensor`: FSDP2's
-        unsharded parameters; FSDP1's new views are not told apart from other tensors, and not asked)."""
+        parameters in for the forward, its own are the ones it swaps in (`Adapter.holds_own`: FSDP2's unsharded
+        parameters, FSDP1's views of its flat parameters)."""
         plan = self._forward_plan
         cached = self._subtree_params.get(id(module))
         if cached is None or cached[0] is not plan:
             cached = (plan, _subtree_params(plan, module))
             self._subtree_params[id(module)] = cached
-        for owner, name, param in cached[1]:
-            own = self._forward_tensor(param)
-            if own is not None and owner._parameters.get(name) is not own:
-                return True
-        return False
+        if self._holds_own is None:  # (no wrapper: the plan's own tensors)
+            return any(owner._parameters.get(name) is not param.param for owner, name, param in cached[1])
+        return any(not self._holds_own(param, _held(owner, name)) for owner, name, param in cached[1])
 
     def follow(self, plan: GradientPlan) -> None:
         """Record the next forwards under `plan` (the engine's, once a backward committed it)."""
@@ -464,6 +462,12 @@ class _Evidence:
             or any(not _same_dict(vars(m).get(k), then) for m, k, then in self.dicts)
             or _tensor_state(modules) != self.tensors
         )
+
+
+def _held(module: nn.Module, name: str) -> object:
+    """What the module holds as its parameter `name` now: registered, or set as a plain attribute (FSDP1's views)."""
+    held = module._parameters.get(name)
+    return getattr(module, name, None) if held is None else held
 
 
 def _subtree_params(plan: GradientPlan, module: nn.Module) -> tuple[tuple[nn.Module, str, TrainableParam], ...]:

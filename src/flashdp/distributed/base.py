@@ -57,11 +57,11 @@ class Adapter:
         """Loss factor of the ghost second pass, so that the wrapper's gradient reduction yields the SUM."""
         return 1.0
 
-    def forward_tensor(self, param: TrainableParam) -> Tensor | None:
-        """The tensor a module holds for `param` during its forward, where called with its own parameters: the
-        parameter itself. None where the wrapper makes another one for each forward (FSDP1's views of its flat
-        parameter): a call made with other tensors in their place is then not told apart."""
-        return param.param
+    def holds_own(self, param: TrainableParam, tensor: object) -> bool:
+        """Whether `tensor`, what a module holds for `param` during its forward, is the parameter itself, not
+        another tensor put in its place (`torch.func.functional_call(layer, {"weight": w * mask}, x)`); under a
+        wrapper that swaps parameters in for the forward, the one it swaps in."""
+        return tensor is param.param
 
     def rerun_error(self, module: nn.Module, label: str) -> FlashDPError | None:
         """Why a rule may not run the module's forward again in the backward (the generic rule's re-run), or None:

@@ -102,9 +102,17 @@ class FSDP1Adapter(ShardedAdapter):
             )
         return views
 
-    def forward_tensor(self, param: TrainableParam) -> Tensor | None:
-        """None: FSDP1 gives each module new views of its flat parameter for every forward."""
-        return None
+    def holds_own(self, param: TrainableParam, tensor: object) -> bool:
+        """A view of the unit's flat parameter at the parameter's place: FSDP1 gives each module new views for every
+        forward."""
+        unit_index, index = param.key
+        unit = self.layout.units[unit_index]
+        return (
+            isinstance(tensor, Tensor)
+            and tensor._base is unit.flat_param
+            and tensor.storage_offset() - unit.flat_param.storage_offset() == unit.offsets[index]
+            and tensor.shape == unit.shapes[index]
+        )
 
     @contextlib.contextmanager
     def norm_pass(self) -> Iterator[None]:

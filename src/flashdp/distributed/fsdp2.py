@@ -86,9 +86,9 @@ class FSDP2Adapter(ShardedAdapter):
                 if unsharded is not None:
                     yield names.get(id(param.sharded_param), param._module_info.param_name), unsharded
 
-    def forward_tensor(self, param: TrainableParam) -> Tensor | None:
-        """The unit's unsharded parameter, swapped in for the forward (one tensor, kept from forward to forward);
-        None before the unit's first all-gather."""
+    def holds_own(self, param: TrainableParam, tensor: object) -> bool:
+        """The unit's unsharded parameter, swapped in for the forward (one tensor, kept from forward to forward;
+        not known before the unit's first all-gather: then any)."""
         if self._fsdp_params is None:
             self._fsdp_params = {
                 id(fsdp_param.sharded_param): fsdp_param
@@ -96,8 +96,8 @@ class FSDP2Adapter(ShardedAdapter):
                 if group is not None
                 for fsdp_param in group.fsdp_params
             }
-        fsdp_param = self._fsdp_params.get(id(param.param))
-        return None if fsdp_param is None else getattr(fsdp_param, "_unsharded_param", None)
+        own = getattr(self._fsdp_params.get(id(param.param)), "_unsharded_param", None)
+        return own is None or tensor is own
 
     def rerun_error(self, module: nn.Module, label: str) -> FlashDPError | None:
         """A unit of its own: FSDP2's hooks on it would gather its parameters again for a re-run, in place of the

@@ -72,3 +72,18 @@ def test_a_frozen_parameter_in_a_unit_over_steps_of_several_micro_batches_equals
     ranks = run(workloads.rank_steps_in_micro_batches, "fsdp1-orig", mode, micros, True)
     assert not any("error" in rank for rank in ranks), [rank.get("error") for rank in ranks]
     assert_steps_of_one_process(ranks, *workloads.single_process_micro_steps(mode, len(micros), frozen=True))
+
+
+@pytest.mark.parametrize("wrapper", ["fsdp1", "fsdp1-orig"])
+def test_a_module_called_without_its_hooks_is_refused(wrapper):
+    """(Silently skipped with use_orig_params=True before 2026-12-08: the views it read, held by no recorded call,
+    led to a flat parameter the coverage walk could not name, and its parameters got no gradient.)"""
+    with pytest.raises(Exception, match="outside"):
+        run(workloads.rank_with_a_bypassed_module, wrapper, "forward")
+
+
+def test_a_module_called_with_a_tensor_in_place_of_its_parameter_is_refused():
+    """(Counted with use_orig_params=False before 2026-12-08, the masked tensor's gradient as the parameter's: its
+    parameters were looked for among those FSDP1 unregisters for the forward.)"""
+    with pytest.raises(Exception, match="outside"):
+        run(workloads.rank_with_a_bypassed_module, "fsdp1", "masked")

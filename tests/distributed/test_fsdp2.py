@@ -132,3 +132,9 @@ def test_a_unit_of_its_own_whose_forward_the_generic_rule_runs_again_is_refused(
     on later steps where a gate at 0 hid it on the first)."""
     with pytest.raises(Exception, match="is a unit of its own"):
         check_raw_parameters("fsdp2", "bk", mixed=True, own_unit=True)
+
+
+@pytest.mark.parametrize("how", ["forward", "masked"])
+def test_a_module_called_without_its_hooks_or_its_own_parameter_is_refused(how):
+    with pytest.raises(Exception, match="outside"):
+        run(workloads.rank_with_a_bypassed_module, "fsdp2", how)

@@ -571,3 +571,39 @@ def rank_using_a_weight_outside_its_layer(rank: int, wrapper: str, mode: str) ->
         except flashdp.FlashDPError as error:
             said.append(str(error))
     return said
+
+
+class Bypassing(nn.Module):
+    """An embedding, then a module without a rule (`x @ w + b`) called `how`: "forward" by `mid.forward(h)` (its
+    hooks skipped: no call recorded), "masked" by `functional_call(mid, {"w": mid.w * mask}, (h,))` (a tensor in
+    place of its parameter); then a head."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mid, self.head = nn.Embedding(12, 6), TanhScale(6, mixed=True), nn.Linear(6, 11)
+        self.how = how
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        if self.how == "forward":
+            return self.head(self.mid.forward(h))
+        mask = torch.ones(6, 6)
+        mask[:, 1] = 0
+        return self.head(torch.func.functional_call(self.mid, {"g": self.mid.g * mask}, (h,)))
+
+
+def rank_with_a_bypassed_module(rank: int, wrapper: str, how: str) -> dict:
+    """One backward of `Bypassing(how)` wrapped at its root alone (FSDP1, or FSDP2)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    model = Bypassing(how)
+    if wrapper == "fsdp2":
+        wrapped = fully_shard(model)
+    else:
+        orig = wrapper == "fsdp1-orig"
+        wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=orig)
+    engine = private(wrapped, "bk")
+    norms = engine.backward(per_sample_loss(wrapped, global_batch()[rank * 4 : rank * 4 + 4]))
+    engine.detach()
+    return {"norms": norms}

@@ -465,9 +465,9 @@ class _Evidence:
 
 
 def _held(module: nn.Module, name: str) -> object:
-    """What the module holds as its parameter `name` now: registered, or set as a plain attribute (FSDP1's views)."""
-    held = module._parameters.get(name)
-    return getattr(module, name, None) if held is None else held
+    """What the module's forward reads as its parameter `name` now: a plain attribute (FSDP1's views, which take
+    precedence over a parameter registered under the name), else the registered one."""
+    return getattr(module, name, None)
 
 
 def _subtree_params(plan: GradientPlan, module: nn.Module) -> tuple[tuple[nn.Module, str, TrainableParam], ...]:
@@ -476,7 +476,7 @@ def _subtree_params(plan: GradientPlan, module: nn.Module) -> tuple[tuple[nn.Mod
     return tuple(
         (owner, name, plan.param_of[(id(owner), name)])
         for owner in _with_descendants(module)
-        for name in owner._parameters
+        for name in plan.views.get(id(owner), ())
         if (id(owner), name) in plan.param_of
     )
 

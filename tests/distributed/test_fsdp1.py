@@ -82,8 +82,11 @@ def test_a_module_called_without_its_hooks_is_refused(wrapper):
         run(workloads.rank_with_a_bypassed_module, wrapper, "forward")
 
 
-def test_a_module_called_with_a_tensor_in_place_of_its_parameter_is_refused():
-    """(Counted with use_orig_params=False before 2026-12-08, the masked tensor's gradient as the parameter's: its
-    parameters were looked for among those FSDP1 unregisters for the forward.)"""
+@pytest.mark.parametrize("how", ["masked", "transposed"])
+def test_a_module_called_with_a_tensor_in_place_of_its_parameter_is_refused(how):
+    """(Counted with use_orig_params=False before 2026-12-08, the masked or transposed tensor's gradient as the
+    parameter's: its parameters were looked for among those FSDP1 unregisters for the forward; then the transpose,
+    a view at the parameter's place, passed for FSDP1's own.) With use_orig_params=True FSDP1's forward reads its
+    own views whatever `functional_call` swaps: nothing to tell apart."""
     with pytest.raises(Exception, match="outside"):
-        run(workloads.rank_with_a_bypassed_module, "fsdp1", "masked")
+        run(workloads.rank_with_a_bypassed_module, "fsdp1", how)

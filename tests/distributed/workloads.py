@@ -575,8 +575,9 @@ def rank_using_a_weight_outside_its_layer(rank: int, wrapper: str, mode: str) ->
 
 class Bypassing(nn.Module):
     """An embedding, then a module without a rule (`x @ w + b`) called `how`: "forward" by `mid.forward(h)` (its
-    hooks skipped: no call recorded), "masked" by `functional_call(mid, {"w": mid.w * mask}, (h,))` (a tensor in
-    place of its parameter); then a head."""
+    hooks skipped: no call recorded), "masked" by `functional_call(mid, {"g": mid.g * mask}, (h,))` (a tensor in
+    place of its parameter), "transposed" likewise with `mid.g.t()` (under FSDP1, a view of its flat parameter at
+    the parameter's place and shape); then a head."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -590,7 +591,8 @@ class Bypassing(nn.Module):
             return self.head(self.mid.forward(h))
         mask = torch.ones(6, 6)
         mask[:, 1] = 0
-        return self.head(torch.func.functional_call(self.mid, {"g": self.mid.g * mask}, (h,)))
+        g = self.mid.g.t() if self.how == "transposed" else self.mid.g * mask
+        return self.head(torch.func.functional_call(self.mid, {"g": g}, (h,)))
 
 
 def rank_with_a_bypassed_module(rank: int, wrapper: str, how: str) -> dict:

@@ -115,8 +115,9 @@ class FSDP1Adapter(ShardedAdapter):
                 yield f"<FSDP1 unit {number}'s flat parameter>", unit.flat_param
 
     def holds_own(self, param: TrainableParam, tensor: object) -> bool:
-        """A view of the unit's flat parameter at the parameter's place: FSDP1 gives each module new views for every
-        forward."""
+        """A contiguous view of the unit's flat parameter at the parameter's place and shape: FSDP1 gives each module
+        new views for every forward (the weight's transpose put in its place is a view there too, not contiguous:
+        a breaker's 0.6 C before that was checked)."""
         unit_index, index = param.key
         unit = self.layout.units[unit_index]
         return (
@@ -124,6 +125,7 @@ class FSDP1Adapter(ShardedAdapter):
             and tensor._base is unit.flat_param
             and tensor.storage_offset() - unit.flat_param.storage_offset() == unit.offsets[index]
             and tensor.shape == unit.shapes[index]
+            and tensor.is_contiguous()
         )
 
     @contextlib.contextmanager

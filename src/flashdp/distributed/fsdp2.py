@@ -87,8 +87,9 @@ class FSDP2Adapter(ShardedAdapter):
                     yield names.get(id(param.sharded_param), param._module_info.param_name), unsharded
 
     def holds_own(self, param: TrainableParam, tensor: object) -> bool:
-        """The unit's unsharded parameter, swapped in for the forward (one tensor, kept from forward to forward;
-        not known before the unit's first all-gather: then any)."""
+        """The unit's unsharded parameter, swapped in for the forward (one tensor, kept from forward to forward);
+        before the unit's first all-gather, the sharded parameter itself (a module of a unit never gathered holds
+        no other of its own: a breaker's call with another layer's weight there was taken for the module's)."""
         if self._fsdp_params is None:
             self._fsdp_params = {
                 id(fsdp_param.sharded_param): fsdp_param
@@ -97,7 +98,7 @@ class FSDP2Adapter(ShardedAdapter):
                 for fsdp_param in group.fsdp_params
             }
         own = getattr(self._fsdp_params.get(id(param.param)), "_unsharded_param", None)
-        return own is None or tensor is own
+        return tensor is (param.param if own is None else own)
 
     def rerun_error(self, module: nn.Module, label: str) -> FlashDPError | None:
         """A unit of its own: FSDP2's hooks on it would gather its parameters again for a re-run, in place of the

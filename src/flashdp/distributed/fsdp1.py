@@ -103,15 +103,17 @@ class FSDP1Adapter(ShardedAdapter):
         return views
 
     def named_parameters(self, model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-        """Also each unit's flat parameter, which with use_orig_params no module registers: the leaf of the graph
-        under every parameter of the unit. One reached through a view no recorded call held (a module called by
-        `module.forward(x)`, a weight read by `F.linear` where its layer is not called) is then a use the coverage
-        walk refuses, not one it cannot name and skips (it was: such parameters got no gradient, silently)."""
+        """Also the flat parameter of each unit whose parameters all train, which with use_orig_params no module
+        registers: the leaf of the graph under every parameter of the unit. One reached through a view no recorded
+        call held (a module called by `module.forward(x)`, a weight read by `F.linear` where its layer is not
+        called) is then a use the coverage walk refuses, not one it cannot name and skips (it was: such parameters
+        got no gradient, silently). Not where the unit holds a frozen parameter, whose views no call holds either
+        and which the walk must let pass: there the gap stays (docs/distributed.md)."""
         registered = list(model.named_parameters())
         yield from registered
         seen = {id(p) for _, p in registered}
         for number, unit in enumerate(self.layout.units):
-            if id(unit.flat_param) not in seen:
+            if id(unit.flat_param) not in seen and len(unit.trainable) == len(unit.numels):
                 yield f"<FSDP1 unit {number}'s flat parameter>", unit.flat_param
 
     def holds_own(self, param: TrainableParam, tensor: object) -> bool:

@@ -30,12 +30,11 @@ class Attachment:
         guards.claim(self._modules, engine, {id(site.module): site.label for site in plan.sites.values()})
         adapter.attach()
         swapping = adapter.reshards_after_forward  # (a wrapper swapping parameters in for the forward, and out)
-        self.recorder = Recorder(
-            plan, timer.forward_started, swapping, adapter.holds_own if swapping else None, adapter.rerun_error
-        )
+        holds_own = adapter.holds_own if swapping else None
+        self.recorder = Recorder(plan, timer.forward_started, holds_own, adapter.rerun_error)
         self.provenance = GradientProvenance(model if trains else None)
         # (under FSDP the registered parameters are not the ones autograd accumulates into)
-        watched = {} if adapter.reshards_after_forward else {p.name: p.param for p in plan.params}
+        watched = {} if swapping else {p.name: p.param for p in plan.params}
         self.grad_writes = GradWrites(watched)
         tables = guards.FrozenTables(model, {id(m) for m in self._modules})
         self._detach = _Detacher((self.recorder, self.provenance, self.grad_writes, tables), adapter, self._modules)

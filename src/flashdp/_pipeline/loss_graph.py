@@ -28,9 +28,7 @@ class LossGraph:
 
     def __init__(self, loss: Tensor, users: UserGroups | None = None) -> None:
         self.loss, self.users = loss, users
-        self._above: dict[frozenset[tuple[Node, int]], set[Node]] = {}
-        self._frontiers: dict[tuple, list[shared_outputs.Frontier]] = {}
-        self._memo: dict[tuple, object] = {}
+        self._memo: dict[tuple, object] = {}  # (`memo`: frontiers, nodes above, what stages derive alike)
 
     @property
     def units(self) -> int:
@@ -109,10 +107,10 @@ class LossGraph:
     ) -> list[shared_outputs.Frontier]:
         """Where the batch first appears above a shared output (`shared_outputs.frontiers`), beside the `shared`
         ones (walked once per backward: a structure's key and the norm pass ask alike)."""
-        key = (edge.node, edge.output_nr, batch, shared, parameter)
-        if key not in self._frontiers:
-            self._frontiers[key] = shared_outputs.frontiers(edge, self.parents, batch, shared, parameter)
-        return self._frontiers[key]
+        return self.memo(
+            ("frontiers", edge.node, edge.output_nr, batch, shared, parameter),
+            lambda: shared_outputs.frontiers(edge, self.parents, batch, shared, parameter),
+        )
 
     def memo(self, key: tuple, compute: Callable[[], T]) -> T:
         """`compute()`, computed once per backward for `key` (what several stages derive alike from the graph and
@@ -126,9 +124,7 @@ class LossGraph:
         them to compute that edge's gradient. Walked once per set of edges (the routing and the norm pass ask alike);
         not to be changed by the caller."""
         key = frozenset(edges)
-        if key not in self._above:
-            self._above[key] = self._walk_above(key)
-        return self._above[key]
+        return self.memo(("above", key), lambda: self._walk_above(key))
 
     def _walk_above(self, edges: Collection[tuple[Node, int]]) -> set[Node]:
         pending = [

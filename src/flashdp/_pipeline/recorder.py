@@ -202,14 +202,15 @@ class Recorder:
     recomputations (`paused`); `take()` hands them over and forgets them. It records under the plan it was last
     told to `follow`, and never changes the engine's.
 
-    keep_params: a wrapper replaces parameters after the forward (FSDP): generic sites copy theirs.
+    holds_own: under a wrapper that swaps parameters in for the forward and out after it (FSDP), whether a tensor a
+    module holds is the one the wrapper swaps in for a parameter (`Adapter.holds_own`); per-call rules' sites then
+    copy theirs. None: no such wrapper.
     """
 
     def __init__(
         self,
         plan: GradientPlan,
         on_call: Callable[[], None] = lambda: None,
-        keep_params: bool = False,
         holds_own: Callable[[TrainableParam, object], bool] | None = None,
         rerun_error: Callable[[nn.Module, str], Exception | None] = lambda module, label: None,
     ):
@@ -221,8 +222,8 @@ class Recorder:
         #: what the model's hooks keep alive with the recorder (a training engine: it lives until detached)
         self.owner: object | None = None
         self._on_call = on_call
-        self._keep_params = keep_params
         self._holds_own, self._rerun_error = holds_own, rerun_error
+        self._keep_params = holds_own is not None
         self._paused = False
         self._probes: dict[Hashable, float | None] = {}  # probe verdicts shared by alike modules (`_probe_key`)
         self._rng_states: dict[int, list[RngState]] = {}

@@ -307,9 +307,9 @@ def _untracked_scalars(node: Node) -> bool:
     scale`: no rows of samples; autograd records a Python number as such a tensor). One saved through hooks is not
     unpacked (an activation checkpoint would recompute its region): taken as rows."""
     for slot, (child, _) in enumerate(node.next_functions):
-        name = _SAVED_INPUTS.get((node.name(), slot))
         if child is not None:
             continue
+        name = _SAVED_INPUTS.get((node.name(), slot))
         if name is None or getattr(node, f"_raw_saved_{name}").unpack_hook is not None:
             return False
         if getattr(node, f"_saved_{name}").numel() != 1:

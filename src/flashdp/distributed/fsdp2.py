@@ -70,7 +70,7 @@ class FSDP2Adapter(ShardedAdapter):
             if p.requires_grad and pid in self._unit_index:
                 trainable[self._unit_index[pid]].append(pid)
         super().__init__(timer, mesh.get_group(), trainable)
-        self._fsdp_params: dict[int, object] | None = None  # id(sharded parameter) -> its FSDPParam, when first asked
+        self._fsdp_params: dict[int, object] | None = None  # (`_fsdp_param_of`, when first asked)
 
     def named_parameters(self, model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         """Also each unit's unsharded parameters, swapped in for the forward and out after it: the leaves of its
@@ -90,6 +90,11 @@ class FSDP2Adapter(ShardedAdapter):
         """The unit's unsharded parameter, swapped in for the forward (one tensor, kept from forward to forward);
         before the unit's first all-gather, the sharded parameter itself (a module of a unit never gathered holds
         no other of its own: a breaker's call with another layer's weight there was taken for the module's)."""
+        own = getattr(self._fsdp_param_of().get(id(param.param)), "_unsharded_param", None)
+        return tensor is (param.param if own is None else own)
+
+    def _fsdp_param_of(self) -> dict[int, object]:
+        """id(sharded parameter) -> its FSDPParam (FSDP2's record of it, with its unsharded tensor), once."""
         if self._fsdp_params is None:
             self._fsdp_params = {
                 id(fsdp_param.sharded_param): fsdp_param
@@ -97,8 +102,7 @@ class FSDP2Adapter(ShardedAdapter):
                 if group is not None
                 for fsdp_param in group.fsdp_params
             }
-        own = getattr(self._fsdp_params.get(id(param.param)), "_unsharded_param", None)
-        return tensor is (param.param if own is None else own)
+        return self._fsdp_params
 
     def rerun_error(self, module: nn.Module, label: str) -> FlashDPError | None:
         """A unit of its own: FSDP2's hooks on it would gather its parameters again for a re-run, in place of the
@@ -117,13 +121,8 @@ class FSDP2Adapter(ShardedAdapter):
 
     def graph_leaves(self, params: list[TrainableParam]) -> list[Tensor]:
         """The units' unsharded parameters, which the forward used in place of the sharded ones."""
-        unsharded = {
-            id(fsdp_param.sharded_param): fsdp_param.unsharded_param
-            for group in map(_param_group, self.fsdp_modules)
-            if group is not None
-            for fsdp_param in group.fsdp_params
-        }
-        return [unsharded[id(p.param)] for p in params]
+        fsdp_param_of = self._fsdp_param_of()
+        return [fsdp_param_of[id(p.param)].unsharded_param for p in params]
 
     @contextlib.contextmanager
     def norm_pass(self) -> Iterator[None]:
